@@ -2,9 +2,9 @@
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)  =  R0 + (A - R0) expit(B (ln C - ln C_mid))   (Eq. 1)
 
-A: ceiling (asymptotic pass rate); B: efficiency exponent; C_mid: compute at half the gain; R0: pass rate
-before RL. `python fit.py runs/a/metrics.jsonl runs/b/metrics.jsonl --c-min 1500 --fit-until 8000
---out fit.png` prints a table and draws the paper's Figure 1 for each run.
+A: ceiling (asymptotic pass rate), B: efficiency exponent, C_mid: compute at half the gain, R0: pass rate
+before RL. `python fit.py runs/a/metrics.jsonl runs/b/metrics.jsonl --c-min 1500 --fit-until 8000` prints
+a table and draws the paper's Figure 1 (fit.png).
 
 Where this departs from the paper, and why:
 1. The default method="fast" is not the A.5 grid but bounded multi-start least squares over A, B, C_mid
@@ -16,8 +16,7 @@ Where this departs from the paper, and why:
 3. The grid skips points where curve_fit fails, gives B <= 0 (PAPER.md 8.1: B > 0), or hands back its
    start with an infinite covariance; an optimum on the grid's edge is flagged not converged.
 4. R0 is held fixed (PAPER.md 8.3, [inferred]). The CLI takes it from the eval at the smallest compute
-   (the step-0 eval, C = 0) and does not fit that point: C = 0 is outside ln C, and Eq. 1 passes through
-   R0 there by construction.
+   (the step-0 eval, C = 0) and does not fit that point: C = 0 is outside ln C; Eq. 1 passes R0 there.
 5. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4), shown beside them.
 """
 
@@ -232,6 +231,8 @@ def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=
     those `fit` was fitted on) with replacement, refit each with the fast method from `fit`'s parameters
     (A stays fixed for a fixed-A fit), take the central `level` percentile interval. NaN if < 2 refits work."""
     C, R = _validate(C, R, fit.R0, c_min)
+    if not fit.converged:  # resampling around an answer that is not one means nothing
+        return Bootstrap((math.nan,) * 2, (math.nan,) * 2, (math.nan,) * 2, 0, n_boot)
     rng, draws = np.random.default_rng(seed), []
     for _ in range(n_boot):
         i = rng.integers(0, len(C), len(C))
@@ -265,7 +266,7 @@ class PowerLawFit:
 def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
     """Least-squares fit of A.4's power law to the points with C >= c_min (1-D C, R). A.4: fitted from low
     compute it overshoots the ceiling (A 1.0 vs the sigmoid's 0.645). Raises as fit_sigmoid; A at its bound
-    1 or a singular Jacobian gives converged=False."""
+    1, a singular Jacobian or a standard error above B or D gives converged=False."""
     C, R = _validate(C, R, 0.0, c_min)
     x = np.log(C)
     u = x - x.mean()  # centred ln C: d = D exp(-B mean ln C) stays O(1) at any compute scale
@@ -282,11 +283,12 @@ def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
         X = np.stack([np.ones_like(u), -np.exp(-B * u)], axis=1)
         (A, d), *_ = np.linalg.lstsq(X, R)
         scan.append((float(((X @ [A, d] - R) ** 2).sum()), A, B, d))
-    out, problems, _ = _lsq(res, jac, [min(scan)[1:]], [-np.inf, 0.0, 0.0], [1.0, np.inf, np.inf])
+    out, problems, se = _lsq(res, jac, [min(scan)[1:]], [-np.inf, 0.0, 0.0], [1.0, np.inf, np.inf])
     A, B, d = out.x
     with np.errstate(over="ignore"):
         D = float(d * np.exp(B * x.mean()))
-    problems += ["A at its bound 1"] if A >= 1 - 1e-9 else []
+    problems += [msg for bad, msg in ((A >= 1 - 1e-9, "A at its bound 1"), (not problems and (se[1:] > out.x[1:]).any(),
+                                      "standard error above the value of B or D: not determined by the data")) if bad]
     return PowerLawFit(float(A), float(B), D, float(2 * out.cost), len(C), not problems, "; ".join(problems))
 
 
@@ -344,8 +346,7 @@ def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
             pts += [(float(rec[x]), float(rec[y]))] if y in rec else []
     if not pts:
         raise ValueError(f"{path}: no line has {y!r}")
-    C, R = np.array(sorted(pts)).T
-    return C, R
+    return tuple(np.array(sorted(pts)).T)
 
 
 def _num(v):

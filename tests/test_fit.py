@@ -233,6 +233,9 @@ def test_bootstrap():
     np.testing.assert_allclose([exact.A, exact.B, exact.C_mid], [[0.61] * 2, [1.92] * 2, [2542] * 2], rtol=1e-6)
     fixed = fit.bootstrap(fit.fit_sigmoid(C, R, R0, A=0.6), C, R, n_boot=10)
     assert fixed.A == (0.6, 0.6)
+    step = np.where(C40 < 5000, R0, 0.6)  # not converged: no intervals, every resample counted as failed
+    none = fit.bootstrap(fit.fit_sigmoid(C40, step, R0), C40, step, n_boot=10)
+    assert none.n_ok == 0 and none.n_failed == 10 and all(math.isnan(v) for v in none.A + none.B + none.C_mid)
 
 
 def test_power_law():
@@ -251,6 +254,8 @@ def test_power_law():
     assert fit.fit_power_law(C, R, c_min=5000).A > 0.645 + 0.05
     C = np.linspace(30000, 60000, 20)
     assert abs(fit.fit_power_law(C, eq1(C, 0.645, 1.70, 10909)).A - 0.645) < 0.01
+    plateau = fit.fit_power_law(C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40))  # rising by chance
+    assert not plateau.converged and "standard error" in plateau.message
 
 
 def test_extrapolate_needs_a_tail():
