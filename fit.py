@@ -143,7 +143,7 @@ def _fit_fast(C, R, R0, A=None, p0=None) -> SigmoidFit:
         return np.stack(([] if fixed else [s_]) + [g * (u - m_), -g * B_], axis=1)
 
     lo, hi = [R0, 0.0, -np.inf], [1.0, np.inf, np.inf]  # R0 < A <= 1, B > 0 (PAPER.md 8.1), closed for trf
-    out, problems, se = _lsq(res, jac, [p[fixed:] for p in starts], lo[fixed:], hi[fixed:])
+    out, problems, se = _lsq(res, jac, [p[fixed:] for p in starts], lo[fixed:], hi[fixed:])  # [1:]: no A
     A_, B_, m = unpack(out.x)
     se_A, se_B, se_m = unpack(se) if not fixed else (0.0, *se)
     with np.errstate(over="ignore"):
