@@ -14,6 +14,7 @@ Where this departs from the paper, and why:
    reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
 """
 
+import operator
 import threading
 from fractions import Fraction
 
@@ -109,7 +110,9 @@ class PromptPool:
     def record(self, idx: int, n_correct: int, n_total: int) -> None:
         """Record a scored group of prompt `idx`: n_correct of n_total rollouts correct. With "no_positive", retire
         the prompt when n_correct / n_total >= threshold (exact integers). The group itself still trains this step:
-        the caller already holds it. Raises ValueError on an unknown index or impossible counts."""
+        the caller already holds it. Integer-like arguments (numpy, 0-d torch) are taken as ints; a float raises
+        TypeError. Raises ValueError on an unknown index or impossible counts."""
+        idx, n_correct, n_total = operator.index(idx), operator.index(n_correct), operator.index(n_total)  # ints
         if not (0 <= idx < self.n_prompts and 0 <= n_correct <= n_total and n_total > 0):
             raise ValueError(f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct")
         with self._lock:

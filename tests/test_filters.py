@@ -142,6 +142,7 @@ def test_state_round_trip_continues_the_same_sequence():
     draw(a, 9)  # into epoch 1
     a.record(3, 9, 10)
     a.record(4, 2, 10)
+    a.record(np.int64(5), torch.tensor(3), torch.tensor(10))  # counts straight from tensors
     state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
     b = PromptPool(7, seed=11)
     b.load_state_dict(state)
@@ -167,6 +168,8 @@ def test_bad_arguments():
     for args in [(3, 1, 2), (-1, 1, 2), (0, 3, 2), (0, -1, 2), (0, 0, 0)]:
         with pytest.raises(ValueError, match="bad record"):
             pool.record(*args)
+    with pytest.raises(TypeError):
+        pool.record(0, 0.9 * 10, 10)  # a float count would defeat the exact comparison
 
 
 def test_concurrent_next_and_record():
