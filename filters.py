@@ -58,7 +58,8 @@ class PromptPool:
     Each epoch visits every active prompt once in a fresh order, a permutation seeded by (seed, epoch), so a pool
     restored from `state_dict()` continues the same sequence. `policy="no_positive"`: `record` retires a prompt for
     good when its group's pass rate n_correct / n_total >= threshold, compared exactly (9 of 10 retires at 0.9,
-    15 of 16 retires, 0 of 16 stays). `policy="uniform"` records the history but never retires (the LOO baseline).
+    15 of 16 retires, 0 of 16 stays); `threshold` may be a float (read as its shortest decimal, so 0.9 is 9/10), a
+    str ("9/10") or a Fraction. `policy="uniform"` records the history but never retires (the LOO baseline).
     Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`."""
 
     def __init__(self, n_prompts: int, threshold: float = 0.9, policy: str = "no_positive", seed: int = 0):
@@ -83,7 +84,7 @@ class PromptPool:
 
     @property
     def epoch(self) -> int:
-        """Completed passes over the pool (0 during the first)."""
+        """Which pass over the prompts `next()` is in (0 for the first); it advances when a pass runs out."""
         return self._epoch
 
     @property
