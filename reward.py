@@ -185,10 +185,9 @@ def math_reward(response: str, gold: str, thinking: bool = True, timeout: float 
 
 
 def math_rewards(responses: list[str], golds: list[str], thinking: bool = True, timeout: float = 5.0) -> list[float]:
-    """`math_reward` over a batch, graded in parallel on the pool; identical (gold, answer) pairs are graded once.
-
-    Returns within about `timeout` plus the honest grading work / WORKERS, as long as at most WORKERS distinct
-    answers overrun (each overrunning answer holds a worker for `timeout`)."""
+    """`math_reward` over a batch -> len(responses) floats, graded in parallel on the pool, each distinct (gold,
+    answer) pair once. Raises as `math_reward`, and ValueError on mismatched lengths. Returns within about
+    `timeout` + honest grading work / WORKERS while at most WORKERS distinct answers overrun (each holds a worker)."""
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
     if not timeout > 0:
