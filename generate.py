@@ -180,15 +180,18 @@ class Sampler:
             if gpus is not None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")
                 os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
-        self.tokenizer = self.engine.get_tokenizer()
-        self.max_model_len = self.engine.model_config.max_model_len
-        think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
-        self.think_end_id = think_ids[0] if len(think_ids) == 1 else None  # None: not a thinking tokenizer
-        self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
-        if self.think_end_id is not None and (self.phrase_ids[-1:] != [self.think_end_id]
-                                              or self.phrase_ids.count(self.think_end_id) != 1):
+        try:
+            self.tokenizer = self.engine.get_tokenizer()
+            self.max_model_len = self.engine.model_config.max_model_len
+            think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+            self.think_end_id = think_ids[0] if len(think_ids) == 1 else None  # None: not a thinking tokenizer
+            self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
+            if self.think_end_id is not None and (self.phrase_ids[-1:] != [self.think_end_id]
+                                                  or self.phrase_ids.count(self.think_end_id) != 1):
+                raise ValueError(f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}")
+        except BaseException:
             self.shutdown()
-            raise ValueError(f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}")
+            raise
         self.think_budget, self.answer_budget, self.temperature = think_budget, answer_budget, temperature
         self.version = 0
         self._rng = random.Random(seed)
@@ -210,12 +213,12 @@ class Sampler:
         """Sample a group of n rollouts of one prompt (token ids, e.g. a chat template's output) concurrently.
 
         thinking=True: each rollout draws L ~ U{lo..hi} (paper A.10) and thinks until `</think>`, EOS or L tokens. EOS
-        ends it (no answer phase). `</think>` starts an answer phase of at most `answer_budget` tokens; so does
-        reaching L, after the phrase is appended (mask 0): so len(completion_ids) <= L + len(phrase) + answer_budget,
-        the phrase appears at most once and never after the model's own `</think>`. thinking=False: one phase of at
-        most `answer_budget` tokens. Returns n Completions in rollout order. Raises ValueError for an empty prompt,
-        n < 1, bad sampling settings, thinking without a single-token `</think>`, or a prompt plus budgets longer
-        than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the engine died.
+        ends it. `</think>` starts an answer phase of at most `answer_budget` tokens; so does reaching L, after the
+        phrase (mask 0): len(completion_ids) <= L + len(phrase) + answer_budget, one phrase at most, never after the
+        model's own `</think>`. thinking=False (also for chat templates that close the think block themselves): one
+        phase of at most `answer_budget` tokens. Returns n Completions in rollout order. Raises ValueError for an
+        empty prompt, n < 1, bad sampling settings, thinking without a single-token `</think>`, or a prompt plus
+        budgets longer than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the engine died.
         """
         temperature = self.temperature if temperature is None else temperature
         check_sampling(temperature)
@@ -238,8 +241,8 @@ class Sampler:
 
     async def _phase(self, token_ids: list[int], max_tokens: int, temperature: float, stop_ids: list[int], salt: str):
         """One vLLM request: ((new ids, their log-probs, mask, their versions), finish reason)."""
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                                logprobs=0, detokenize=False)  # logprobs=0: the sampled token's log-prob only
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=0,
+                                flat_logprobs=True, detokenize=False)  # logprobs=0: the sampled token's only
         prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
         async for final in self.engine.generate(prompt, params, f"gen-{next(self._ids)}"):  # noqa: B007
             pass  # default output kind FINAL_ONLY: a single RequestOutput, at the end
@@ -247,7 +250,9 @@ class Sampler:
         if done.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
         ids = list(done.token_ids)
-        logp = [position[token].logprob for token, position in zip(ids, done.logprobs, strict=True)]
+        if done.logprobs.token_ids != ids:  # FlatLogprobs: one entry per position, the sampled token
+            raise RuntimeError(f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}")
+        logp = list(done.logprobs.logprobs)
         return (ids, logp, [True] * len(ids), versions_from_spans(done.weight_versions, len(ids))), done.finish_reason
 
     async def _rollout(self, prompt_ids, thinking, temperature, think_budget, answer_budget, salt) -> Completion:
@@ -276,36 +281,29 @@ class Sampler:
         Raises FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if loading fails."""
         if not os.path.isdir(weights_dir) or not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
-        await self._pause()
-        loaded = False
-        try:
-            await self.engine.collective_rpc("reload_weights_retie", args=(os.path.abspath(weights_dir),))
-            loaded = True
-        finally:
-            await self._resume(loaded)
-        return self.version
+        path = os.path.abspath(weights_dir)
+        return await self._swap(self.engine.collective_rpc("reload_weights_retie", args=(path,)))
 
-    async def _pause(self) -> None:
-        await self._update_lock.acquire()
-        await self.engine.pause_generation(mode="keep", clear_cache=False)
-
-    async def _resume(self, loaded: bool) -> None:
-        try:
-            if loaded:  # the engine core labels tokens with this from its next step on
+    async def _swap(self, load) -> int:
+        """Pause (mode "keep", PipelineRL), await `load`, bump the version, resume (also if `load` fails)."""
+        async with self._update_lock:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await load
                 self.version += 1
-                await self.engine.update_weight_version(str(self.version))
-        finally:
-            await self.engine.resume_generation()
-            self._update_lock.release()
+                await self.engine.update_weight_version(str(self.version))  # labels tokens from the next step on
+            finally:
+                await self.engine.resume_generation()
+        return self.version
 
     def sync_client(self, loop: asyncio.AbstractEventLoop) -> "_SyncClient":
         """GPU fast path, UNTESTED (no GPU with vLLM was available): the client that vLLM's NCCL trainer engine
         drives, for a trainer thread while this sampler runs in `loop`. Every trainer rank runs
         `sync = NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(master_address=..., master_port=...,
         world_size=1 + tp * dp, rank=rank), client=sampler.sync_client(loop), source=ModuleSource(model))` once
-        (vllm.distributed.weight_transfer) and `sync.send_weights()` after each step; its `start_weight_update` pauses
-        as `update_weights` does, `finish_weight_update` bumps the version and resumes. Raises RuntimeError unless the
-        engine was built with weight_transfer "nccl"."""
+        (vllm.distributed.weight_transfer) and `sync.send_weights()` after each step, which pauses, receives the
+        broadcast, bumps the version and resumes as `update_weights` does. Raises RuntimeError unless the engine was
+        built with weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
             raise RuntimeError(f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'")
         return _SyncClient(self, loop)
@@ -328,7 +326,8 @@ class Sampler:
 
 class _SyncClient:
     """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on vLLM 0.32) over a
-    Sampler whose engine runs in another thread's loop; each call blocks until done."""
+    Sampler whose engine runs in another thread's loop; each call blocks until done. The whole engine-side update
+    happens in `update_weights` (the NCCL backend sends one payload per round), so the pause spans exactly that."""
 
     def __init__(self, sampler: Sampler, loop: asyncio.AbstractEventLoop):
         self.sampler, self.engine = sampler, sampler.engine
@@ -337,21 +336,15 @@ class _SyncClient:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._call(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
 
-    def update_weights(self, update_info) -> None:
-        self._call(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
-
     def start_weight_update(self) -> None:
-        self._call(self.sampler._pause())
-        try:
-            self._call(self.engine.start_weight_update())
-        except BaseException:
-            self._call(self.sampler._resume(loaded=False))
-            raise
+        pass  # done inside update_weights, under the pause
+
+    def update_weights(self, update_info) -> None:
+        async def transfer():
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self.engine.finish_weight_update()
+        self._call(self.sampler._swap(transfer()))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        loaded = False  # the label is ours (Sampler.version), not the trainer's
-        try:
-            self._call(self.engine.finish_weight_update())
-            loaded = True
-        finally:
-            self._call(self.sampler._resume(loaded))
+        pass  # done inside update_weights; the version label is Sampler.version, not the trainer's

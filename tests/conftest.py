@@ -57,6 +57,7 @@ def vllm_engine(tmp_path_factory):
     sampler = asyncio.run_coroutine_threadsafe(make, loop).result(600)
     yield EngineHandle(sampler, loop, model_dir)
     sampler.shutdown()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(30)  # let vLLM's cancelled tasks finish
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)
     deadline = time.time() + 30

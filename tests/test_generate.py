@@ -6,7 +6,7 @@ changes only the embedding, so a head that did not follow would fail); (2) every
 token accounting, on crafted weights that make each case certain; (3) an update mid-generation switches the version
 inside each completion and the tokens after the switch follow the new weights, no request dropped; (4) bad input
 gives a clear error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
-choice, engine arguments).
+choice, engine arguments) and the testable parts of the GPU (NCCL) path.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is RMSNorm(embedding of the current
 token). Token classes get orthonormal embeddings Q[c] from M = Q diag(lam) Q^T and the final norm weight is
@@ -281,3 +281,19 @@ def test_bad_input_clear_errors_engine_keeps_serving(vllm_engine, tmp_path):
     load(vllm_engine, tmp_path, "eos", [[EOS]], [[0, 1], [1, 0]])
     assert s.version == version + 1
     assert [c.completion_ids for c in run(s.generate(PROMPT, n=2))] == [[EOS], [EOS]]
+
+
+@pytest.mark.vllm
+def test_nccl_path_pure_parts(vllm_engine):
+    """The GPU weight-transfer path cannot run here (no CUDA); pin what can be: the CPU engine chose the disk path,
+    asking it for the NCCL client fails clearly, and the client still satisfies vLLM's sync-client protocol and
+    calls engine methods that exist."""
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+
+    s = vllm_engine.sampler
+    assert s.weight_transfer == "disk"
+    with pytest.raises(RuntimeError, match="NCCL needs 'nccl'"):
+        s.sync_client(vllm_engine.loop)
+    assert isinstance(generate._SyncClient(s, vllm_engine.loop), VLLMWeightSyncClient)
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        assert callable(getattr(s.engine, name))
