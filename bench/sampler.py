@@ -1,6 +1,6 @@
 """Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency.
 
-    python bench/sampler.py                # ~3-5 min on a 2-core CPU
+    python bench/sampler.py                # ~5 min on a 2-core CPU
 
 1. Throughput. A small Qwen3 whose weights make it write letters forever (attention/MLP outputs zeroed, a next-token
    table in the tied embedding), so every rollout's thinking budget binds, the phrase is appended and the answer
@@ -113,8 +113,7 @@ async def update_latency(sampler, model_dir, reps):
     return statistics.median(saves), statistics.median(loads), size
 
 
-async def main(args):
-    work = tempfile.mkdtemp(prefix="bench_sampler_")
+async def main(args, work):
     tok = tiny.build_tokenizer()
     chats = [[{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(args.prompts)]
     prompts = [tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
@@ -164,4 +163,5 @@ if __name__ == "__main__":
     parser.add_argument("--big-hidden", type=int, default=1024)
     parser.add_argument("--big-layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
-    asyncio.run(main(parser.parse_args()))
+    with tempfile.TemporaryDirectory(prefix="bench_sampler_") as work:
+        asyncio.run(main(parser.parse_args(), work))
