@@ -103,9 +103,10 @@ def versions_from_spans(spans, n: int) -> list[int]:
 def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
                 max_num_seqs: int = 256, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
-                weight_transfer: str = "disk") -> AsyncEngineArgs:
+                weight_transfer: str = "disk", fp32_head: bool = True) -> AsyncEngineArgs:
     """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults: eager mode and a
-    1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory); GPU: CUDA graphs, 85% memory."""
+    1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory); GPU: CUDA graphs, 85% memory.
+    fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation)."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = 1.0
     return AsyncEngineArgs(
@@ -116,7 +117,7 @@ def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", m
         enforce_eager=not cuda,
         enable_prefix_caching=True,  # the answer phase of an interrupted rollout reuses its thinking's KV
         logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled (after temperature)
-        hf_overrides={"head_dtype": "float32"},  # FP32 LM head in the generator (§3.2, A.19)
+        hf_overrides={"head_dtype": "float32"} if fp32_head else None,  # FP32 LM head in the generator (§3.2, A.19)
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
         worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for extra collective_rpc methods
         disable_log_stats=True,
@@ -151,6 +152,8 @@ class Sampler:
       gpus: device ids for the engine processes (CUDA_VISIBLE_DEVICES is set while they are spawned; this process's
         CUDA is unaffected), so torchrun keeps trainer and generator GPUs apart: ranks on 0-3, gpus=[4, 5, 6, 7], dp 4.
       weight_transfer: "auto" | "disk" | "nccl", see `weight_transfer_backend` and `sync_client`.
+      interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1] + answer_budget
+        tokens (the paper's `loo-lp` ablation, which relies on a length penalty instead).
       **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
         data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
     Raises FileNotFoundError for a missing local model, ValueError for bad settings, vLLM's errors at engine start.
@@ -158,7 +161,7 @@ class Sampler:
 
     def __init__(self, model: str, *, think_budget: tuple[int, int] = (10240, 12288), answer_budget: int = 2048,
                  phrase: str = PHRASE, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
-                 gpus: list[int] | None = None, weight_transfer: str = "auto", **engine):
+                 gpus: list[int] | None = None, weight_transfer: str = "auto", interruptions: bool = True, **engine):
         check_sampling(temperature, top_p, top_k)
         if not 0 < think_budget[0] <= think_budget[1] or answer_budget < 1:
             raise ValueError(f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}")
@@ -193,6 +196,7 @@ class Sampler:
             self.shutdown()
             raise
         self.think_budget, self.answer_budget, self.temperature = think_budget, answer_budget, temperature
+        self.interruptions = interruptions
         self.version = 0
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -233,6 +237,8 @@ class Sampler:
         if len(prompt_ids) + budgets > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + budgets of {budgets} tokens exceed max_model_len "
                              f"{self.max_model_len}")
+        if thinking and not self.interruptions:  # loo-lp: the whole budget in one phase, never a phrase
+            thinking, answer_budget = False, hi + answer_budget
         salt = str(self.version)  # departure 4: no reuse of KV blocks computed under older weights
         async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other rollouts
             tasks = [group.create_task(self._rollout(prompt_ids, thinking, temperature, self._rng.randint(lo, hi),
