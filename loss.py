@@ -57,6 +57,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             logp[s:e] = picked - lse[s:e]
             if need_dh:
                 dlogp_dh[s:e] = (w32[t] - probs.div_(z) @ w32).div_(temperature)  # (c, H)
+            del logits, probs  # free this block before the next matmul allocates one
         ctx.temperature, ctx.chunk_size, ctx.need_dh, ctx.need_dw = temperature, chunk_size, need_dh, need_dw
         ctx.save_for_backward(hidden, weight, targets, lse, dlogp_dh)
         return logp
@@ -78,6 +79,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
                 dlogits = (h @ w32.T).div_(T).sub_(lse[s:e, None]).exp_().mul_(-gs)  # (c, V)
                 dlogits.scatter_add_(1, t[:, None], gs)
                 gw.addmm_(dlogits.T, h)
+                del dlogits  # free this block before the next matmul allocates one
             grad_w = gw.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
 

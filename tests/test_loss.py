@@ -14,11 +14,12 @@ Every public function raises a clear error on bad shapes and dtypes.
 """
 
 import math
+import weakref
 
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import loss
 
@@ -63,18 +64,25 @@ def np_policy_loss(logp, old, adv, w, kind, eps_low=0.2, eps_high=0.28, cap=4.0,
     return loss_val, grad
 
 
-class RecordShapes(TorchFunctionMode):
-    """Records the shape of every tensor a torch call returns (public torch.overrides API)."""
+class RecordShapes(TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns, forward and backward, and the most tensors of at least
+    `big` elements (distinct storages) alive at once. TorchDispatchMode lives in a private module (checked on
+    torch 2.13); the naive positive control fails if it stops seeing ops. The public TorchFunctionMode misses
+    backward."""
 
-    def __init__(self):
+    def __init__(self, big=None):
         super().__init__()
-        self.shapes = []
+        self.shapes, self.big, self.alive, self.max_alive = [], big, {}, 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in out if isinstance(out, tuple) else (out,):
             if isinstance(o, torch.Tensor):
                 self.shapes.append(tuple(o.shape))
+                if self.big and o.numel() >= self.big:  # count storages: a view is not a new block
+                    self.alive.setdefault(o.untyped_storage().data_ptr(), []).append(weakref.ref(o))
+                    live = sum(any(r() is not None for r in refs) for refs in self.alive.values())
+                    self.max_alive = max(self.max_alive, live)
         return out
 
 
@@ -128,20 +136,21 @@ def test_token_logprobs_never_builds_an_N_by_V_tensor_and_skips_a_frozen_head():
     for trainable in (True, False):
         h = torch.randn(N, H, generator=g, requires_grad=True)
         w = torch.randn(V, H, generator=g, requires_grad=trainable)
-        with RecordShapes() as fwd:
+        with RecordShapes(big=chunk * V) as fwd:
             logp = loss.token_logprobs(h, w, t, chunk_size=chunk)
-        with RecordShapes() as bwd:
+        with RecordShapes(big=chunk * V) as bwd:
             logp.sum().backward()
         assert max(math.prod(s) for s in fwd.shapes + bwd.shapes) <= max(chunk * V, V * H)
+        assert fwd.max_alive == 1 and bwd.max_alive == int(trainable)  # one (chunk, V) block at a time
         assert (w.grad is not None) == trainable
         # a frozen head does no (V, H) or (chunk, V) work in backward
         assert trainable or not [s for s in bwd.shapes if s in ((V, H), (chunk, V))]
         h64 = h.detach().double().requires_grad_()
         naive_logprobs(h64, w.detach().double(), t).sum().backward()
         torch.testing.assert_close(h.grad.double(), h64.grad, rtol=0, atol=1e-5)
-    with RecordShapes() as naive:  # positive control: the recorder does see the naive path's (N, V) logits
-        naive_logprobs(h, w, t)
-    assert (N, V) in naive.shapes
+    with RecordShapes(big=chunk * V) as naive:  # positive control: the recorder sees the naive path's (N, V) blocks
+        naive_logprobs(h, w, t).sum().backward()
+    assert (N, V) in naive.shapes and naive.max_alive >= 2
 
 
 def test_token_logprobs_no_grad_and_empty():
