@@ -4,10 +4,12 @@ Naive = full fp32 logits, log_softmax, gather, autograd. Shapes default to Qwen3
 and N=4,096 tokens; token_logprobs runs with its default chunk_size. Each variant runs in a fresh subprocess so
 allocator state cannot leak between them. Memory = peak above what the inputs take (CPU: peak RSS, ru_maxrss,
 minus RSS after the inputs exist; CUDA: peak allocated minus allocated after the inputs); it includes the
-gradients. Time = the fastest of --repeats forward+backward passes. Prints chunked / naive ratios against the
-targets of issue 2, once with the head frozen and once trainable, and checks both variants agree.
+gradients. Time = the fastest of --repeats forward+backward passes, over --rounds alternating fresh processes.
+Prints chunked / naive ratios against the targets of issue 2, once with the head frozen and once trainable, and
+checks that both variants agree.
 
-    python bench/logprobs.py                                   # CPU, fp32 inputs (~15 min on 2 busy cores)
+    python bench/logprobs.py                                   # CPU, fp32 inputs (8-12 min on 2 busy cores)
+    python bench/logprobs.py --rounds 2                        # steadier time ratio on a shared machine
     python bench/logprobs.py --device cuda --dtype bf16        # GPU, bf16 hidden / head as in training
 """
 
@@ -91,6 +93,7 @@ def main():
     p.add_argument("--v", type=int, default=151_936, help="vocabulary V (Qwen3)")
     p.add_argument("--h", type=int, default=1024, help="hidden size H (Qwen3-0.6B)")
     p.add_argument("--repeats", type=int, default=None, help="passes per variant, fastest counts (cpu 1, cuda 3)")
+    p.add_argument("--rounds", type=int, default=1, help="alternating fresh-process runs per variant, fastest counts")
     p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--trainable", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -101,10 +104,15 @@ def main():
 
     chunk = inspect.signature(loss.token_logprobs).parameters["chunk_size"].default
     print(f"token_logprobs vs naive, fwd+bwd: N={a.n} V={a.v} H={a.h} {a.dtype} on {a.device}, chunk_size={chunk}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={a.repeats}")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={a.repeats}, rounds={a.rounds}")
     ok = True
     for trainable in (False, True):
-        naive, chunked = run(a, "naive", trainable), run(a, "chunked", trainable)
+        runs = {"naive": [], "chunked": []}
+        for _ in range(a.rounds):  # alternate, so a load change on a shared machine hits both variants
+            for variant in runs:
+                runs[variant].append(run(a, variant, trainable))
+        naive, chunked = ({**rs[-1], "seconds": min(r["seconds"] for r in rs),
+                           "extra_bytes": max(r["extra_bytes"] for r in rs)} for rs in runs.values())
         head = "trainable" if trainable else "frozen"
         for name, r in (("naive", naive), ("chunked", chunked)):
             print(f"  {head:9s} head  {name:7s}  extra memory {r['extra_bytes'] / 2**30:6.2f} GiB  "
