@@ -39,8 +39,9 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, need_dh, need_dw):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, need_dh, need_dw, head_dtype):
         w32 = weight.float()  # (V, H); no copy for an fp32 head, an fp32 copy for a bf16 one
+        w_head = w32 if head_dtype == torch.float32 else weight.to(head_dtype)  # (V, H) the matmul's operand
         N, H = hidden.shape
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,) log-partition, reused by backward
@@ -48,7 +49,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             h, t = hidden[s:e].float(), targets[s:e]  # (c, H), (c,)
-            logits = (h @ w32.T).div_(temperature)  # (c, V); temperature divides logits, never log-probs
+            logits = _matmul(h, w_head).div_(temperature)  # (c, V); temperature divides logits, not log-probs
             picked = logits.gather(1, t[:, None])[:, 0]  # (c,)
             m = logits.amax(1, keepdim=True)  # (c, 1)
             probs = logits.sub_(m).exp_()  # (c, V) unnormalized, in place: one (c, V) buffer per chunk
@@ -59,6 +60,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
                 dlogp_dh[s:e] = (w32[t] - probs.div_(z) @ w32).div_(temperature)  # (c, H)
             del logits, probs  # free this block before the next matmul allocates one
         ctx.temperature, ctx.chunk_size, ctx.need_dh, ctx.need_dw = temperature, chunk_size, need_dh, need_dw
+        ctx.head_dtype = head_dtype
         ctx.save_for_backward(hidden, weight, targets, lse, dlogp_dh)
         return logp
 
@@ -71,20 +73,26 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         grad_w = None
         if ctx.need_dw:
             w32 = weight.float()  # (V, H)
+            w_head = w32 if ctx.head_dtype == torch.float32 else weight.to(ctx.head_dtype)  # (V, H)
             gw = torch.zeros_like(w32)  # (V, H) fp32 accumulator
             for s in range(0, hidden.shape[0], ctx.chunk_size):
                 e = min(s + ctx.chunk_size, hidden.shape[0])
                 h, t, gs = hidden[s:e].float(), targets[s:e], g[s:e, None] / T  # (c, H), (c,), (c, 1)
                 # d logp / d logits = (onehot(t) - softmax) / T, built in place in the recomputed logits
-                dlogits = (h @ w32.T).div_(T).sub_(lse[s:e, None]).exp_().mul_(-gs)  # (c, V)
+                dlogits = _matmul(h, w_head).div_(T).sub_(lse[s:e, None]).exp_().mul_(-gs)  # (c, V)
                 dlogits.scatter_add_(1, t[:, None], gs)
                 gw.addmm_(dlogits.T, h)
                 del dlogits  # free this block before the next matmul allocates one
             grad_w = gw.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
+def _matmul(h, w_head):
+    """(c, V) fp32 logits of fp32 rows h (c, H): in fp32, or rounded through w_head's dtype (the loo-fp32 ablation)."""
+    return h @ w_head.T if w_head.dtype == torch.float32 else (h.to(w_head.dtype) @ w_head.T).float()
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, head_dtype=torch.float32):
     """Log-probabilities of `targets` under an fp32 LM head, without ever forming an (N, V) tensor (§3.2, Fig 5b).
 
     hidden (N, H) and weight (V, H) in any float dtype (bf16 is upcast exactly), targets (N,) integer ids in
@@ -92,8 +100,12 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
     `chunk_size` rows at a time. Gradients flow to hidden and weight in their own dtypes; a frozen weight
     (requires_grad False) costs no weight gradient. Memory beyond the inputs: one (chunk_size, V) fp32 block,
     (N, H) fp32 for the hidden gradient, and (V, H) fp32 for a trainable or non-fp32 weight.
-    Raises ValueError / TypeError on bad shapes, dtypes, devices, ids, temperature or chunk_size.
+    head_dtype=torch.bfloat16 (or float16) computes the head matmul in that dtype instead, then log-softmax in fp32:
+    the paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
+    Raises ValueError / TypeError on bad shapes, dtypes, devices, ids, temperature, chunk_size or head_dtype.
     """
+    _check(head_dtype in (torch.float32, torch.bfloat16, torch.float16), f"head_dtype must be float32, bfloat16 or "
+           f"float16; got {head_dtype}", TypeError)
     _check(hidden.dim() == 2 and weight.dim() == 2, f"hidden must be (N, H) and weight (V, H); got "
            f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
     _check(hidden.shape[1] == weight.shape[1], f"hidden size mismatch: hidden {tuple(hidden.shape)}, "
@@ -111,16 +123,17 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
         _check(lo >= 0 and hi < weight.shape[0], f"targets must lie in [0, V={weight.shape[0]}); got [{lo}, {hi}]")
     grad_on = torch.is_grad_enabled()  # inside forward() grad mode is always off, so decide here
     return _FP32HeadLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                   grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+                                   grad_on and hidden.requires_grad, grad_on and weight.requires_grad, head_dtype)
 
 
-def completion_logprobs(hidden, weight, input_ids, mask, temperature=1.0, chunk_size=1024):
+def completion_logprobs(hidden, weight, input_ids, mask, temperature=1.0, chunk_size=1024, head_dtype=torch.float32):
     """Per-token log-probs of a right- or left-padded batch from a causal LM's final hidden states.
 
     hidden (S, T, H) final-layer hidden states (after the last norm) for input_ids (S, T); weight (V, H) the LM
     head; mask (S, T) bool, True on the tokens whose log-prob is wanted (the completion). Token t is predicted
     from position t - 1. Returns logp (S, T) float32 aligned with input_ids: logp[s, t] = log p(input_ids[s, t] |
-    input_ids[s, :t]) where mask, exactly 0 elsewhere; only masked tokens go through the head (token_logprobs).
+    input_ids[s, :t]) where mask, exactly 0 elsewhere; only masked tokens go through the head (token_logprobs,
+    with its head_dtype).
     Raises ValueError if shapes disagree or mask[:, 0] is set (the first token has no preceding position).
     """
     _check(hidden.dim() == 3 and input_ids.shape == hidden.shape[:2] and mask.shape == input_ids.shape,
@@ -129,7 +142,8 @@ def completion_logprobs(hidden, weight, input_ids, mask, temperature=1.0, chunk_
     _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
     _check(not mask[:, 0].any(), "mask[:, 0] is True: the first token has no preceding position to predict it")
     sel = mask[:, 1:]  # (S, T-1): token t+1 is predicted from position t
-    logp = token_logprobs(hidden[:, :-1][sel], weight, input_ids[:, 1:][sel], temperature, chunk_size)  # (N,)
+    logp = token_logprobs(hidden[:, :-1][sel], weight, input_ids[:, 1:][sel], temperature, chunk_size,
+                          head_dtype)  # (N,)
     shifted = logp.new_zeros(sel.shape).masked_scatter(sel, logp)  # (S, T-1)
     return torch.cat([logp.new_zeros(sel.shape[0], 1), shifted], 1)  # (S, T)
 

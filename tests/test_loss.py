@@ -129,6 +129,21 @@ def test_token_logprobs_bf16_gives_float32_logp_and_input_dtype_grads():
     torch.testing.assert_close(w.grad.double(), w64.grad.bfloat16().double(), rtol=1e-2, atol=1e-2)
 
 
+def test_head_dtype_bf16_rounds_the_logits_like_a_bf16_head():
+    # loo-fp32: the head matmul in bf16 (fp32 accumulate, bf16 result), then log-softmax in fp32
+    g = torch.Generator().manual_seed(2)
+    N, H, V = 24, 64, 50
+    h, w = torch.randn(N, H, generator=g) * 3, torch.randn(V, H, generator=g)
+    t = torch.randint(0, V, (N,), generator=g)
+    lowp = loss.token_logprobs(h, w, t, temperature=0.7, chunk_size=5, head_dtype=torch.bfloat16)
+    ref = torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float() / 0.7, -1).gather(1, t[:, None])[:, 0]
+    torch.testing.assert_close(lowp, ref, rtol=1e-6, atol=1e-5)
+    fp32 = loss.token_logprobs(h, w, t, temperature=0.7)
+    assert (lowp - fp32).abs().max() > 1e-3  # the switch really changes the head's precision
+    with pytest.raises(TypeError, match="head_dtype"):
+        loss.token_logprobs(h, w, t, head_dtype=torch.float64)
+
+
 def test_token_logprobs_never_builds_an_N_by_V_tensor_and_skips_a_frozen_head():
     g = torch.Generator().manual_seed(2)
     N, H, V, chunk = 64, 8, 97, 16
