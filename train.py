@@ -110,11 +110,11 @@ class Args:
     """continue the run in this directory from its last checkpoint (its args are the defaults)"""
     seed: int = 0
     """prompt order, held-out split, initialization, sampler seed"""
-    steps: int = 200
+    steps: int = 100
     """optimizer steps in all"""
-    eval_every: int = 20
+    eval_every: int = 10
     """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the end"""
-    eval_size: int = 128
+    eval_size: int = 200
     """held-out prompts (paper: 1,000), removed from training"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
@@ -139,7 +139,7 @@ class Args:
     """vLLM KV cache size on CPU"""
     gen_dtype: str = "auto"
     """vLLM weights dtype ("auto": bf16 on GPU)"""
-    max_model_len: int = 256
+    max_model_len: int = 512
     """vLLM context: prompt + thinking + phrase + answer must fit"""
     # --- data
     data: str = "arith"
@@ -148,16 +148,16 @@ class Args:
     """column holding the question (default: question / problem / prompt)"""
     answer_key: str | None = None
     """column holding the gold answer (default: answer / solution / final_answer)"""
-    max_prompt_len: int = 64
+    max_prompt_len: int = 128
     """prompts longer than this after templating are skipped (counted)"""
     # --- generation
-    prompts_per_step: int = 32
+    prompts_per_step: int = 16
     """P: prompt groups per optimizer step (paper: 48)"""
     group_size: int = 8
     """G: completions per prompt (paper: 16)"""
     temperature: float = 1.0
     """sampling temperature of training and evaluation; the trainer divides logits by it too"""
-    think_budget: tuple[int, int] = (24, 40)
+    think_budget: tuple[int, int] = data.ARITH_THINK_BUDGET
     """forced interruption after L ~ U[lo, hi] thinking tokens (paper A.10: 10k-12k)"""
     answer_budget: int = 16
     """tokens for the answer after thinking (paper: 2k)"""
@@ -197,7 +197,7 @@ class Args:
     fp32_head: bool = True
     """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on CPU)"""
     # --- optimizer
-    lr: float = 3e-4
+    lr: float = 1e-4
     """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""
     warmup_steps: int = 10
     """linear LR warmup (paper: 100)"""
@@ -206,7 +206,7 @@ class Args:
     """paper A.3: 1e-15, against epsilon underflow"""
     max_grad_norm: float = 1.0
     """gradient clipping (the paper does not say)"""
-    micro_batch_size: int = 64
+    micro_batch_size: int = 128
     """sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
     """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
@@ -509,10 +509,13 @@ def main(args: Args) -> None:
     dist.broadcast_object_list(path)
     path = path[0]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    train_prompts, eval_prompts = data.load_split(args.data, tokenizer, run_dir=run_dir, eval_size=args.eval_size,
-                                                  seed=args.seed, max_prompt_len=args.max_prompt_len,
-                                                  question_key=args.question_key, answer_key=args.answer_key,
-                                                  verbose=master)
+    thinking = len(tokenizer.encode("</think>", add_special_tokens=False)) == 1  # a thinking chat format (Qwen3)
+    prompts = data.load_prompts(args.data, tokenizer, thinking=thinking, max_prompt_len=args.max_prompt_len,
+                                question_key=args.question_key, answer_key=args.answer_key, seed=args.seed)
+    for turn in (master, not master):  # rank 0 draws (or, resuming, restores) the held-out split; the others read it
+        if turn:
+            train_prompts, eval_prompts = data.split_heldout(prompts, args.eval_size, seed=args.seed, run_dir=run_dir)
+        dist.barrier()
     pool = filters.PromptPool(len(train_prompts), threshold=args.npr_threshold, policy=args.prompt_sampling,
                               seed=args.seed)
     torch.manual_seed(args.seed)
@@ -580,8 +583,8 @@ def main(args: Args) -> None:
         m = {}
         if master:
             m, records = pipe.evaluate(eval_prompts, args.eval_n)
-            greedy, _ = pipe.evaluate(eval_prompts, 1, temperature=0.01)
-            m["eval/greedy_pass_rate"] = greedy["eval/pass_rate"]  # near-greedy (vLLM's floor); not the metric
+            greedy, _ = pipe.evaluate(eval_prompts, 1, temperature=0.0)
+            m["eval/greedy_pass_rate"] = greedy["eval/pass_rate"]  # logged beside the metric, never fitted
             for r in records[: args.log_samples]:
                 samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
@@ -619,7 +622,7 @@ def main(args: Args) -> None:
                 kept = [g for g in batch.groups if not args.zero_var_filter or
                         filters.zero_variance_mask(torch.tensor(g.rewards), torch.zeros(len(g.rewards))).any()]
                 for g in batch.groups:  # No-Positive-Resampling history: every scored group counts (§3.2)
-                    pool.record(g.prompt.index, sum(r >= 1.0 for r in g.rewards), len(g.rewards))
+                    pool.record(g.index, sum(r >= 1.0 for r in g.rewards), len(g.rewards))
                 m["filter/zero_var_frac"] = 1 - len(kept) / len(batch.groups)
                 m["filter/active_prompts"] = pool.num_active
                 payload = [collate(kept, tokenizer.pad_token_id, args)]
