@@ -1,0 +1,151 @@
+"""Data filters of ScaleRL: zero-variance filtering, the No-Positive-Resampling prompt pool, DAPO's length penalty.
+
+Paper: §3.2 (Fig 6a zero-variance filtering, Fig 6b adaptive prompt filtering = No-Positive-Resampling from
+Polaris), A.10 Eq. 9 (length penalty, the `loo-lp` ablation); PAPER.md §4 and §7.3.
+Exercised by `python -m pytest tests/test_filters.py` and by every `python train.py`.
+
+Where this departs from the paper, and why:
+1. The paper does not say how a prompt's pass rate is aggregated. Here a prompt retires when the group just scored
+   reaches the threshold (the latest observation): "once easy, stays easy" is Polaris's premise, and a cumulative
+   mean would keep a prompt that was hard early on. Cumulative counts are still kept for logging.
+2. Retirement takes effect immediately for later `next()` calls, not at the epoch boundary. Each prompt is drawn
+   once per epoch, so the two only differ for groups still in flight across a boundary (PipelineRL).
+3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so that the
+   reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
+"""
+
+import operator
+import threading
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+ZERO_STD = 1e-6  # a group std below this is float residue, the same guard as loss.group_advantages
+
+
+def zero_variance_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """(S,) bool: True where the sample's group has non-zero reward variance, so it enters the loss (§3.2, Fig 6a).
+
+    rewards: (S,) float; group_ids: (S,) int, any values, groups need not be contiguous. A group's population std
+    (computed in float64) below ZERO_STD counts as zero. Raises ValueError on mismatched or non-1-D shapes."""
+    rewards, group_ids = torch.as_tensor(rewards), torch.as_tensor(group_ids)
+    if rewards.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (S,)")
+    uniq, inv = torch.unique(group_ids, return_inverse=True)  # inv: (S,) group index in 0..P-1
+    r = rewards.to(torch.float64)
+    count = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))  # (P,) samples
+    mean = torch.zeros_like(count).index_add_(0, inv, r) / count  # (P,)
+    var = torch.zeros_like(count).index_add_(0, inv, (r - mean[inv]) ** 2) / count  # (P,) population variance
+    return (var.sqrt() >= ZERO_STD)[inv]
+
+
+def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """(S,) float32 DAPO overlong penalty, A.10 Eq. 9: clip((L_max - |y|) / L_cache - 1, -1, 0).
+
+    lengths: (S,) response lengths |y| in tokens. 0 up to max_len - cache_len tokens, then a linear ramp to -1 at
+    max_len, -1 beyond (paper: L_max 14k, L_cache 2k). The caller adds it to the reward of correct traces only
+    (A.10). Raises ValueError unless 0 < cache_len <= max_len."""
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)
+    return ((max_len - lengths) / cache_len - 1).clamp(-1.0, 0.0).to(torch.float32)  # A.10 Eq. 9
+
+
+class PromptPool:
+    """Which prompt to sample next: No-Positive-Resampling (§3.2, Fig 6b; Polaris) or uniform epochs.
+
+    Each epoch visits every active prompt once in a fresh order, a permutation seeded by (seed, epoch), so a pool
+    restored from `state_dict()` continues the same sequence. `policy="no_positive"`: `record` retires a prompt for
+    good when its group's pass rate n_correct / n_total >= threshold, compared exactly (9 of 10 retires at 0.9,
+    15 of 16 retires, 0 of 16 stays); `threshold` may be a float (read as its shortest decimal, so 0.9 is 9/10), a
+    str ("9/10") or a Fraction. `policy="uniform"` records the history but never retires (the LOO baseline).
+    Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`."""
+
+    def __init__(self, n_prompts: int, threshold: float = 0.9, policy: str = "no_positive", seed: int = 0):
+        if n_prompts < 1 or seed < 0:
+            raise ValueError(f"need n_prompts >= 1 and seed >= 0, got {n_prompts}, {seed}")
+        if policy not in ("no_positive", "uniform"):
+            raise ValueError(f"policy must be 'no_positive' or 'uniform', got {policy!r}")
+        # Fraction(0.9) is 0.9000000000000000222..., which 9/10 would not reach; the decimal string is exact.
+        self.threshold = Fraction(str(threshold))
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        self.n_prompts, self.policy, self.seed = n_prompts, policy, seed
+        self._lock = threading.Lock()
+        self._epoch, self._pos = 0, 0
+        self._retired: set[int] = set()
+        self._correct = [0] * n_prompts  # cumulative correct rollouts per prompt
+        self._total = [0] * n_prompts  # cumulative rollouts per prompt
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_prompts).tolist()
+
+    @property
+    def epoch(self) -> int:
+        """Which pass over the prompts `next()` is in (0 for the first); it advances when a pass runs out."""
+        return self._epoch
+
+    @property
+    def num_active(self) -> int:
+        """Prompts not retired."""
+        return self.n_prompts - len(self._retired)
+
+    def next(self) -> int:
+        """Index of the next prompt to sample; retired prompts are skipped. Raises RuntimeError when every prompt
+        is retired (the policy solves the whole training set at the threshold: nothing left to learn from)."""
+        with self._lock:
+            if not self.num_active:
+                raise RuntimeError(f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
+                                   f"{float(self.threshold)}); nothing left to sample")
+            while True:
+                if self._pos == self.n_prompts:  # epoch boundary: reshuffle
+                    self._epoch, self._pos = self._epoch + 1, 0
+                    self._order = self._permutation(self._epoch)
+                idx = self._order[self._pos]
+                self._pos += 1
+                if idx not in self._retired:
+                    return idx
+
+    def record(self, idx: int, n_correct: int, n_total: int) -> None:
+        """Record a scored group of prompt `idx`: n_correct of n_total rollouts correct. With "no_positive", retire
+        the prompt when n_correct / n_total >= threshold (exact integers). The group itself still trains this step:
+        the caller already holds it. Integer-like arguments (numpy, 0-d torch) are taken as ints; a float raises
+        TypeError. Raises ValueError on an unknown index or impossible counts."""
+        idx, n_correct, n_total = operator.index(idx), operator.index(n_correct), operator.index(n_total)  # ints
+        if not (0 <= idx < self.n_prompts and 0 <= n_correct <= n_total and n_total > 0):
+            raise ValueError(f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct")
+        with self._lock:
+            self._correct[idx] += n_correct
+            self._total[idx] += n_total
+            t = self.threshold
+            if self.policy == "no_positive" and n_correct * t.denominator >= t.numerator * n_total:  # §3.2
+                self._retired.add(idx)
+
+    def stats(self) -> dict[str, float]:
+        """Counts for the logger: active / retired prompts, epoch, prompts seen, and the cumulative pass rate over
+        all recorded rollouts."""
+        with self._lock:
+            total = sum(self._total)
+            return {"filter/active": self.num_active, "filter/retired": len(self._retired), "filter/epoch": self._epoch,
+                    "filter/seen": sum(t > 0 for t in self._total),
+                    "filter/pass_rate": sum(self._correct) / total if total else 0.0}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: position in the epoch's order, retired prompts, per-prompt history."""
+        with self._lock:
+            return {"n_prompts": self.n_prompts, "seed": self.seed, "epoch": self._epoch, "pos": self._pos,
+                    "retired": sorted(self._retired), "correct": list(self._correct), "total": list(self._total)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; threshold and policy stay as constructed. Raises ValueError when the
+        state belongs to a different pool (n_prompts or seed differ), since the sequence could not continue."""
+        if (state["n_prompts"], state["seed"]) != (self.n_prompts, self.seed):
+            raise ValueError(f"state is for n_prompts={state['n_prompts']}, seed={state['seed']}; this pool has "
+                             f"n_prompts={self.n_prompts}, seed={self.seed}")
+        with self._lock:
+            self._epoch, self._pos = state["epoch"], state["pos"]
+            self._order = self._permutation(self._epoch)
+            self._retired = set(state["retired"])
+            self._correct, self._total = list(state["correct"]), list(state["total"])

@@ -1,0 +1,200 @@
+"""Pins filters.py: which groups zero-variance filtering keeps (float residue counts as zero), the DAPO length
+penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer retirement at the threshold
+(9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires; 0/16 stays), epoch reshuffles that skip retired
+prompts, the error when all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
+and thread safety of next()/record(). Expected values are worked out by hand in each test."""
+
+import json
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from filters import PromptPool, length_penalty, zero_variance_mask
+
+
+# ---------------------------------------------------------------- zero_variance_mask
+def test_zero_variance_mask_by_hand():
+    # groups 7 (all right), 3 (mixed), 9 (all wrong), 4 (single sample); ids interleaved and non-contiguous
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    group_ids = torch.tensor([7, 3, 7, 9, 3, 7, 9, 4])
+    expected = [False, True, False, False, True, False, False, False]
+    assert zero_variance_mask(rewards, group_ids).tolist() == expected
+    assert zero_variance_mask(rewards, group_ids).dtype == torch.bool
+
+
+def test_zero_variance_mask_float_residue_and_threshold():
+    # eight rewards of 0.35 in float32: the group is constant, whatever residue a float32 mean would leave
+    assert not zero_variance_mask(torch.full((8,), 0.35, dtype=torch.float32), torch.zeros(8, dtype=torch.long)).any()
+    # rewards {0, d}: population std = d / 2, so d = 1e-6 -> 5e-7 (zero), d = 3e-6 -> 1.5e-6 (non-zero)
+    ids = torch.tensor([0, 0, 1, 1])
+    assert zero_variance_mask(torch.tensor([0.0, 1e-6, 0.0, 3e-6], dtype=torch.float64), ids).tolist() == [
+        False, False, True, True]
+    # length-penalised correct answers differ by at least 1/L_cache: a real difference
+    assert zero_variance_mask(torch.tensor([1.0, 1.0 - 1 / 2048]), torch.tensor([5, 5])).tolist() == [True, True]
+
+
+def test_zero_variance_mask_shapes():
+    assert zero_variance_mask(torch.zeros(0), torch.zeros(0, dtype=torch.long)).tolist() == []
+    with pytest.raises(ValueError, match="group_ids"):
+        zero_variance_mask(torch.zeros(3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError):
+        zero_variance_mask(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- length_penalty
+def test_length_penalty_paper_values():
+    # A.10: L_max 14k, L_cache 2k -> 0 up to 12k, linear to -1 at 14k, -1 beyond
+    lengths = torch.tensor([0, 12000, 12001, 13000, 13500, 14000, 20000])
+    expected = [0.0, 0.0, -1 / 2000, -0.5, -0.75, -1.0, -1.0]  # (14000 - L) / 2000 - 1, clipped to [-1, 0]
+    out = length_penalty(lengths, max_len=14000, cache_len=2000)
+    assert out.dtype == torch.float32 and out.shape == (7,)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="cache_len"):
+        length_penalty(lengths, max_len=100, cache_len=0)
+    with pytest.raises(ValueError, match="cache_len"):
+        length_penalty(lengths, max_len=100, cache_len=200)
+
+
+# ---------------------------------------------------------------- PromptPool
+def draw(pool, k):
+    return [pool.next() for _ in range(k)]
+
+
+def test_epochs_are_permutations_seeded_by_seed_and_epoch():
+    pool = PromptPool(6, seed=3)
+    first, second = draw(pool, 6), draw(pool, 6)
+    assert sorted(first) == sorted(second) == list(range(6))
+    assert pool.epoch == 1
+    pool.next()
+    assert pool.epoch == 2
+    # the order contract: numpy's generator seeded by [seed, epoch] (so a restored pool regenerates it)
+    assert first == np.random.default_rng([3, 0]).permutation(6).tolist()
+    assert second == np.random.default_rng([3, 1]).permutation(6).tolist()
+    assert draw(PromptPool(6, seed=3), 12) == first + second
+    assert draw(PromptPool(50, seed=0), 50) != draw(PromptPool(50, seed=1), 50)
+
+
+@pytest.mark.parametrize("threshold,n_correct,n_total,retired", [
+    (0.9, 9, 10, True),    # exactly the threshold; Fraction(0.9) = 0.90000000000000002 would wrongly keep it
+    (0.9, 15, 16, True),   # 0.9375
+    (0.9, 14, 16, False),  # 0.875
+    (0.9, 0, 16, False),
+    (0.9, 16, 16, True),
+    (0.1, 1, 10, True),    # Fraction(0.1) = 0.10000000000000000555 would keep it too
+    (0.7, 7, 10, True),
+    (1.0, 15, 16, False),
+    (1.0, 16, 16, True),
+    ("9/10", 9, 10, True),
+])
+def test_retirement_is_exact(threshold, n_correct, n_total, retired):
+    pool = PromptPool(4, threshold=threshold)
+    pool.record(2, n_correct, n_total)
+    assert pool.num_active == (3 if retired else 4)
+    assert (2 not in draw(pool, 40)) == retired
+
+
+def test_retired_prompt_trains_its_step_then_leaves_for_good():
+    pool = PromptPool(5, seed=1)
+    idx = pool.next()  # this group is sampled and trains this step...
+    pool.record(idx, 15, 16)  # ...then is retired: 15/16 >= 0.9
+    rest = draw(pool, 4 * 3)  # the rest of epoch 0 plus 2 whole epochs of the 4 survivors
+    assert idx not in rest
+    assert Counter(rest) == {i: 3 for i in range(5) if i != idx}
+    assert pool.epoch == 2
+
+
+def test_all_retired_raises():
+    pool = PromptPool(3)
+    for i in range(3):
+        pool.record(i, 10, 10)
+    assert pool.num_active == 0
+    with pytest.raises(RuntimeError, match="all 3 prompts are retired"):
+        pool.next()
+
+
+def test_uniform_never_retires_but_keeps_history():
+    pool = PromptPool(3, policy="uniform")
+    for i in range(3):
+        pool.record(i, 16, 16)
+    pool.record(0, 4, 16)
+    assert pool.num_active == 3
+    assert sorted(draw(pool, 3)) == [0, 1, 2]
+    stats = pool.stats()
+    assert stats["filter/retired"] == 0 and stats["filter/seen"] == 3
+    assert stats["filter/pass_rate"] == pytest.approx((16 * 3 + 4) / (16 * 4))
+
+
+def test_stats_counts():
+    pool = PromptPool(10)
+    pool.record(1, 10, 10)
+    pool.record(2, 3, 10)
+    pool.record(2, 9, 10)  # the latest group decides: retired
+    pool.record(5, 0, 10)
+    assert pool.stats() == {"filter/active": 8, "filter/retired": 2, "filter/epoch": 0, "filter/seen": 3,
+                            "filter/pass_rate": 22 / 40}
+
+
+def test_state_round_trip_continues_the_same_sequence():
+    a = PromptPool(7, seed=11)
+    draw(a, 9)  # into epoch 1
+    a.record(3, 9, 10)
+    a.record(4, 2, 10)
+    a.record(np.int64(5), torch.tensor(3), torch.tensor(10))  # counts straight from tensors
+    state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
+    b = PromptPool(7, seed=11)
+    b.load_state_dict(state)
+    assert (b.epoch, b.num_active) == (1, 6)
+    assert draw(b, 30) == draw(a, 30)
+    assert b.stats() == a.stats()
+    with pytest.raises(ValueError, match="n_prompts"):
+        PromptPool(8, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        PromptPool(7, seed=12).load_state_dict(state)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="threshold"):
+        PromptPool(3, threshold=0)
+    with pytest.raises(ValueError, match="threshold"):
+        PromptPool(3, threshold=1.5)
+    with pytest.raises(ValueError, match="policy"):
+        PromptPool(3, policy="dapo")
+    with pytest.raises(ValueError):
+        PromptPool(0)
+    pool = PromptPool(3)
+    for args in [(3, 1, 2), (-1, 1, 2), (0, 3, 2), (0, -1, 2), (0, 0, 0)]:
+        with pytest.raises(ValueError, match="bad record"):
+            pool.record(*args)
+    with pytest.raises(TypeError):
+        pool.record(0, 0.9 * 10, 10)  # a float count would defeat the exact comparison
+
+
+def test_concurrent_next_and_record():
+    # 4 producer threads draw exactly 100 epochs of 100 prompts while the main thread records: every prompt must
+    # come out exactly 100 times (a lost or duplicated position breaks this; without the lock it fails ~9 runs in 10)
+    # and every record must count.
+    pool = PromptPool(100, policy="uniform", seed=5)
+    drawn, errors, lock = [], [], threading.Lock()
+
+    def producer():
+        try:
+            local = [pool.next() for _ in range(2500)]
+        except Exception as e:  # surface in the test, not just on stderr
+            errors.append(e)
+            return
+        with lock:
+            drawn.extend(local)
+
+    threads = [threading.Thread(target=producer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(10000):
+        pool.record(i % 100, 1, 2)
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert Counter(drawn) == {i: 100 for i in range(100)}
+    assert pool.state_dict()["total"] == [200] * 100 and pool.state_dict()["correct"] == [100] * 100

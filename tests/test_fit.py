@@ -1,0 +1,329 @@
+"""fit.py: the sigmoid compute-performance fits (PAPER.md 8, Table 1 in 10.1).
+
+Pins: Eq. 1 against a hand evaluation; recovery of every Table 1 row from noisy synthetic evals (all points,
+and the paper's half-budget protocol with the prediction of the second half); exact recovery on noise-free
+data; the same answer at CPU-hour, GPU-hour and FLOP scale; the A.5 grid agreeing with the fast fit and
+never beating its SSE; each degenerate input raising or being flagged not converged; the fixed-A refit
+and the §4 comparison rule; bootstrap intervals; A.4's power-law overshoot; the CLI on a synthetic
+metrics.jsonl (table numbers against the generating parameters, the PNG). Every numpy/scipy warning
+is an error here: the module must emit none.
+"""
+
+import json
+import math
+import re
+import warnings
+
+import numpy as np
+import pytest
+import tyro
+from scipy.optimize import OptimizeWarning, curve_fit
+
+import fit
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+R0 = 0.35
+TABLE_1 = [  # PAPER.md 10.1: (experiment, C_mid GPU-h, B, A)
+    ("ScaleRL", 2542, 1.92, 0.610), ("ScaleRL-32k", 11272, 1.89, 0.645), ("ScaleRL-8gen", 2542, 2.44, 0.585),
+    ("ScaleRL-24gen", 3054, 2.22, 0.590), ("ScaleRL-32gen", 2936, 2.07, 0.595), ("ScaleRL-Scout", 4242, 1.65, 0.710),
+    ("ScaleRL-bs512", 2818, 1.77, 0.605), ("ScaleRL-bs2048", 10909, 1.70, 0.645),
+    ("math+code, math", 2896, 2.05, 0.595), ("math+code, code", 1675, 1.09, 0.615),
+]
+ROWS = pytest.mark.parametrize("name,C_mid,B,A", TABLE_1, ids=[r[0] for r in TABLE_1])
+
+
+def eq1(C, A, B, C_mid, R0=R0):
+    """Eq. 1 written out in plain numpy power form, independent of fit.sigmoid's expit form."""
+    return R0 + (A - R0) / (1 + (C_mid / np.asarray(C, dtype=float)) ** B)
+
+
+def evals(C_mid, B, A, noise=0.005, seed=0):
+    """40 evals evenly spaced in compute from 0.2 C_mid to 8 C_mid, Gaussian noise (fixed seed)."""
+    C = np.linspace(0.2 * C_mid, 8 * C_mid, 40)
+    clean = eq1(C, A, B, C_mid)
+    return C, clean + np.random.default_rng(seed).normal(0, noise, C.size), clean
+
+
+def test_sigmoid_is_eq1():
+    C = np.array([0.0, 1.0, 100.0, 2542.0, 1e5])
+    want = [R0, eq1(1.0, 0.61, 1.92, 2542), eq1(100.0, 0.61, 1.92, 2542), (0.61 + R0) / 2, eq1(1e5, 0.61, 1.92, 2542)]
+    np.testing.assert_allclose(fit.sigmoid(C, 0.61, 1.92, 2542, R0), want, rtol=1e-14)
+    assert fit.sigmoid(1e300, 0.61, 1.92, 1e-300, R0) == 0.61  # no overflow far past C_mid
+    with pytest.raises(ValueError, match="negative"):
+        fit.sigmoid([-1.0], 0.61, 1.92, 2542, R0)
+
+
+@ROWS
+def test_table1_fast_recovers_A(name, C_mid, B, A):
+    C, R, _ = evals(C_mid, B, A)
+    f = fit.fit_sigmoid(C, R, R0)
+    assert f.converged, f.message
+    assert abs(f.A - A) < 0.01
+    assert f.n == 40 and f.sse == pytest.approx(((eq1(C, f.A, f.B, f.C_mid) - R) ** 2).sum(), rel=1e-9)
+
+
+@ROWS
+def test_table1_half_budget_extrapolates(name, C_mid, B, A):
+    """§5 protocol: fit on the first half of the compute budget (8 C_mid), predict the second half."""
+    C, R, clean = evals(C_mid, B, A)
+    f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=4 * C_mid)
+    tail = C > 4 * C_mid
+    assert f.converged and f.n == (~tail).sum() == 20 and n_tail == tail.sum() == 20
+    assert abs(f.A - A) < 0.03
+    assert np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - clean[tail]).mean() < 0.01  # against the noise-free curve
+    assert mae == pytest.approx(np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - R[tail]).mean(), rel=1e-9)
+
+
+@ROWS
+def test_table1_grid_agrees_with_fast(name, C_mid, B, A):
+    """A.5 grid on the part of the paper's grids near the truth (A +- 0.03, C_mid within x2): same curve,
+    and fast's SSE is never worse (it searches a superset: C_mid continuous)."""
+    C, R, _ = evals(C_mid, B, A)
+    gA = fit.PAPER_GRID_A[np.abs(fit.PAPER_GRID_A - A) < 0.03 + 1e-9]
+    gC = fit.PAPER_GRID_C_MID[(fit.PAPER_GRID_C_MID >= C_mid / 2) & (fit.PAPER_GRID_C_MID <= 2 * C_mid)]
+    g = fit.fit_sigmoid(C, R, R0, method="grid", grid_A=gA, grid_C_mid=gC)
+    f = fit.fit_sigmoid(C, R, R0)
+    assert g.converged and g.A in gA and g.C_mid in gC and g.method == "grid"
+    assert g.sse == pytest.approx(((eq1(C, g.A, g.B, g.C_mid) - R) ** 2).sum(), rel=1e-9)
+    assert f.sse <= g.sse * (1 + 1e-9)
+    assert abs(f.A - g.A) < 0.01
+    assert np.abs(f.predict(C) - g.predict(C)).max() < 0.01
+
+
+@pytest.mark.slow
+def test_paper_grid_in_full():
+    """The whole A.5 grid (71 x 100 curve_fit calls) on the ScaleRL row."""
+    C, R, _ = evals(2542, 1.92, 0.610)
+    g = fit.fit_sigmoid(C, R, R0, method="grid")
+    f = fit.fit_sigmoid(C, R, R0)
+    assert g.converged and g.A in fit.PAPER_GRID_A and g.C_mid in fit.PAPER_GRID_C_MID
+    assert len(fit.PAPER_GRID_A) == 71 and fit.PAPER_GRID_A[0] == 0.45 and fit.PAPER_GRID_A[-1] == 0.8
+    assert abs(g.A - 0.610) < 0.01 and f.sse <= g.sse * (1 + 1e-9)
+
+
+@ROWS
+def test_noise_free_exact(name, C_mid, B, A):
+    C, _, clean = evals(C_mid, B, A)
+    f = fit.fit_sigmoid(C, clean, R0)
+    assert f.converged
+    np.testing.assert_allclose([f.A, f.B, f.C_mid], [A, B, C_mid], rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [4e-6, 1.0, 1e17])  # CPU-hours (C in 1e-3..1e-1), GPU-hours, FLOPs
+def test_scale_free(scale):
+    C, R, clean = evals(2542, 1.92, 0.610)
+    assert scale != 4e-6 or (1e-3 <= C.min() * scale and C.max() * scale <= 1e-1)
+    exact = fit.fit_sigmoid(C * scale, clean, R0)
+    np.testing.assert_allclose([exact.A, exact.B, exact.C_mid], [0.610, 1.92, 2542 * scale], rtol=1e-6)
+    noisy, ref = fit.fit_sigmoid(C * scale, R, R0), fit.fit_sigmoid(C, R, R0)
+    assert noisy.converged and abs(noisy.A - 0.610) < 0.01
+    np.testing.assert_allclose([noisy.A, noisy.B, noisy.C_mid / scale], [ref.A, ref.B, ref.C_mid], rtol=1e-5)
+
+
+def test_paper_grid_at_the_wrong_scale_raises():
+    """At FLOP scale curve_fit hands back its start B = 1 with an infinite covariance at every grid point
+    (checked directly below); the grid must say so, not return that start."""
+    C, R, _ = evals(2542, 1.92, 0.610)
+    C = C * 1e18
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OptimizeWarning)
+        (B,), pcov = curve_fit(lambda c, B: R0 + (0.6 - R0) / (1 + (40000 / c) ** B), C, R)
+    assert B == 1.0 and np.isinf(pcov).all()
+    with pytest.raises(RuntimeError, match="infinite covariance"):
+        fit.fit_sigmoid(C, R, R0, method="grid", grid_A=[0.6, 0.61], grid_C_mid=[100.0, 40000.0])
+
+
+def test_grid_edge_is_flagged():
+    C, R, _ = evals(2542, 1.92, 0.610)
+    g = fit.fit_sigmoid(C, R, R0, method="grid", grid_A=[0.50, 0.52, 0.54], grid_C_mid=[2000.0, 2500.0, 3000.0])
+    assert not g.converged and "edge" in g.message and g.A == 0.54
+
+
+C40 = np.linspace(500.0, 20000.0, 40)
+
+
+@pytest.mark.parametrize("C,R,kw,match", [
+    (C40[:10], eq1(C40[:10], 0.6, 2, 3000), {"c_min": C40[7]}, "need at least 4"),
+    (C40, np.full(40, 0.5), {}, "flat"),
+    (C40, eq1(C40, 0.6, 2, 3000)[::-1], {}, "does not increase"),
+    (C40, np.where(C40 > 9000, np.nan, eq1(C40, 0.6, 2, 3000)), {}, "NaN or inf"),
+    (np.where(C40 > 9000, np.inf, C40), eq1(C40, 0.6, 2, 3000), {}, "NaN or inf"),
+    (C40 - 1000, eq1(C40, 0.6, 2, 3000), {}, "negative compute"),
+    (np.r_[0.0, C40], np.r_[R0, eq1(C40, 0.6, 2, 3000)], {}, "compute 0"),
+    (C40, eq1(C40, 0.6, 2, 3000), {"A": 0.3}, "fixed A"),
+    (C40, eq1(C40, 0.6, 2, 3000), {"method": "newton"}, "method"),
+    (C40, eq1(C40, 0.6, 2, 3000), {"method": "grid", "grid_A": [0.2, 0.6]}, "grid_A"),
+], ids=["too-few", "flat", "decreasing", "nan", "inf", "negative", "zero", "A<=R0", "method", "grid<=R0"])
+def test_bad_input_raises(C, R, kw, match):
+    with pytest.raises(ValueError, match=match):
+        fit.fit_sigmoid(C, R, R0, **kw)
+
+
+def test_bad_R0_raises():
+    with pytest.raises(ValueError, match="NaN or inf"):
+        fit.fit_sigmoid(C40, eq1(C40, 0.6, 2, 3000), math.nan)
+    with pytest.raises(ValueError, match="below 1"):
+        fit.fit_sigmoid(C40, eq1(C40, 0.6, 2, 3000), 1.0)
+
+
+def test_c_min_drops_points_and_zero_compute():
+    C = np.r_[0.0, C40]
+    R = np.r_[R0, eq1(C40, 0.6, 2.0, 3000)]
+    f = fit.fit_sigmoid(C, R, R0, c_min=C40[5])
+    assert f.n == 35 and f.converged and f.A == pytest.approx(0.6, rel=1e-6)
+
+
+@pytest.mark.parametrize("R,why", [
+    (np.where(C40 < 5000, R0, 0.6), "singular Jacobian"),  # a step: B runs off to infinity
+    (0.5 + np.random.default_rng(2).normal(0, 0.005, 40), "standard error"),  # noise on a plateau, rising by chance
+    (np.linspace(0.1, 0.3, 40), "singular Jacobian"),  # rising, but below R0: A pinned at R0
+], ids=["step", "noisy-plateau", "below-R0"])
+def test_degenerate_fit_is_flagged(R, why):
+    f = fit.fit_sigmoid(C40, R, R0)
+    assert not f.converged and why in f.message
+
+
+def test_early_points_only_hit_the_A_bound():
+    """Evals only up to half of C_mid: no sign of saturation, so the ceiling is not identified."""
+    C = np.linspace(0.05 * 2542, 0.5 * 2542, 20)
+    R = eq1(C, 0.61, 1.92, 2542) + np.random.default_rng(0).normal(0, 0.005, 20)
+    f = fit.fit_sigmoid(C, R, R0)
+    assert not f.converged and "A at its bound 1" in f.message and f.A == pytest.approx(1.0)
+
+
+def test_fixed_A_refit():
+    C, _, clean = evals(2542, 1.92, 0.610)
+    f = fit.fit_sigmoid(C, clean, R0, A=0.610)
+    assert f.fixed_A and f.A == 0.610 and f.converged
+    np.testing.assert_allclose([f.B, f.C_mid], [1.92, 2542], rtol=1e-6)
+    g = fit.fit_sigmoid(C, clean, R0, A=0.610, method="grid", grid_C_mid=np.linspace(2000, 3000, 11))
+    assert g.fixed_A and g.A == 0.610 and g.C_mid == 2500.0  # nearest grid C_mid to 2542 wins at the true A
+
+
+def test_comparison_rule_within_margin_refits_at_mean_A():
+    """A 0.600 vs 0.610 (< 0.02 apart): both refit at the mean fitted A; the higher B (run 0) scales best."""
+    runs = [(*evals(3000, 2.2, 0.600, seed=1)[:2], R0), (*evals(3000, 1.6, 0.610, seed=2)[:2], R0)]
+    cmp = fit.compare(runs)
+    assert cmp.A_shared == pytest.approx((cmp.fits[0].A + cmp.fits[1].A) / 2, abs=1e-15)
+    assert all(f.fixed_A and f.A == cmp.A_shared and f.converged for f in cmp.refits)
+    assert cmp.refits[0].B > cmp.refits[1].B and cmp.best == 0
+    for free, fixed in zip(cmp.fits, cmp.refits, strict=True):  # a constrained fit cannot beat the free one
+        assert fixed.sse >= free.sse * (1 - 1e-9)
+    assert "refit at mean A" in cmp.rule
+
+
+def test_comparison_rule_ceiling_first():
+    """A 0.60 vs 0.66 (>= 0.02 apart): no refit, the higher A wins although its B is lower."""
+    runs = [(*evals(3000, 2.2, 0.60, seed=1)[:2], R0), (*evals(3000, 1.4, 0.66, seed=2)[:2], R0)]
+    cmp = fit.compare(runs)
+    assert cmp.refits is None and cmp.A_shared is None and cmp.best == 1
+    assert cmp.fits[0].B > cmp.fits[1].B
+
+
+def test_bootstrap():
+    C, R, clean = evals(2542, 1.92, 0.610)
+    f = fit.fit_sigmoid(C, R, R0)
+    bs = fit.bootstrap(f, C, R, n_boot=60, seed=0)
+    assert bs.n_ok + bs.n_failed == 60 and bs.n_ok >= 55
+    assert bs.A[0] < 0.610 < bs.A[1] and bs.A[1] - bs.A[0] < 2 * fit.A_MARGIN
+    assert bs.B[0] < f.B < bs.B[1] and bs.C_mid[0] < f.C_mid < bs.C_mid[1]
+    assert fit.bootstrap(f, C, R, n_boot=60, seed=0) == bs  # seeded
+    exact = fit.bootstrap(fit.fit_sigmoid(C, clean, R0), C, clean, n_boot=10)  # no noise: every refit exact
+    np.testing.assert_allclose([exact.A, exact.B, exact.C_mid], [[0.61] * 2, [1.92] * 2, [2542] * 2], rtol=1e-6)
+    fixed = fit.bootstrap(fit.fit_sigmoid(C, R, R0, A=0.6), C, R, n_boot=10)
+    assert fixed.A == (0.6, 0.6)
+    step = np.where(C40 < 5000, R0, 0.6)  # not converged: no intervals, every resample counted as failed
+    none = fit.bootstrap(fit.fit_sigmoid(C40, step, R0), C40, step, n_boot=10)
+    assert none.n_ok == 0 and none.n_failed == 10 and all(math.isnan(v) for v in none.A + none.B + none.C_mid)
+
+
+def test_power_law():
+    """Exact on its own form; on the 100k-GPU-h run's sigmoid (A.4/A.7 values) it overshoots A when fit
+    from 1.5k (A.4: 1.0, at its bound) or 5k (A.4: 0.74), and finds the ceiling from 30k-60k only."""
+    C = np.geomspace(10, 1e4, 30)
+    p = fit.fit_power_law(C, 0.7 - 2.0 * C**-0.5)
+    assert p.converged
+    np.testing.assert_allclose([p.A, p.B, p.D], [0.7, 0.5, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(p.predict([100.0]), 0.7 - 2.0 / 10, rtol=1e-12)
+    C = np.linspace(1500, 50000, 60)
+    R = eq1(C, 0.645, 1.70, 10909)
+    assert fit.fit_sigmoid(C, R, R0).A == pytest.approx(0.645, rel=1e-6)
+    low = fit.fit_power_law(C, R)
+    assert low.A == pytest.approx(1.0) and not low.converged
+    assert fit.fit_power_law(C, R, c_min=5000).A > 0.645 + 0.05
+    C = np.linspace(30000, 60000, 20)
+    assert abs(fit.fit_power_law(C, eq1(C, 0.645, 1.70, 10909)).A - 0.645) < 0.01
+    plateau = fit.fit_power_law(C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40))  # rising by chance
+    assert not plateau.converged and "standard error" in plateau.message
+
+
+def test_extrapolate_needs_a_tail():
+    C, R, _ = evals(2542, 1.92, 0.610)
+    with pytest.raises(ValueError, match="nothing to extrapolate"):
+        fit.extrapolate(C, R, R0, fit_until=C.max())
+
+
+def write_run(path, A, B, C_mid, seed, steps=801, hours_per_step=40.0, eval_every=10):
+    """metrics.jsonl as train.py writes it: every step logs step/gpu_hours/tokens; evals every N steps."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True)
+    with open(path, "w") as f:
+        for step in range(steps):
+            rec = {"step": step, "gpu_hours": step * hours_per_step, "tokens": step * 1e6, "train/loss": 0.1}
+            if step % eval_every == 0:
+                g = step * hours_per_step
+                rec["eval/pass_rate"] = R0 if step == 0 else float(eq1(g, A, B, C_mid) + rng.normal(0, 0.005))
+            f.write(json.dumps(rec) + "\n")
+
+
+def table_rows(out):
+    """The printed table's rows by run name; columns are separated by two or more spaces."""
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()]
+    return {r[0]: r for r in rows if r and r[0] in ("a", "b")}
+
+
+def test_cli(tmp_path, capsys):
+    write_run(tmp_path / "a" / "metrics.jsonl", 0.610, 1.92, 2542, seed=0)
+    write_run(tmp_path / "b" / "metrics.jsonl", 0.645, 1.70, 4000, seed=1)
+    png = tmp_path / "fit.png"
+    args = tyro.cli(fit.Args, args=[str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b" / "metrics.jsonl"),
+                                    "--x", "gpu_hours", "--y", "eval/pass_rate", "--c-min", "1500",
+                                    "--fit-until", "16000", "--n-boot", "20", "--out", str(png)])
+    fit.main(args)
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    # 81 evals at 0, 400, ..., 32000 GPU-h; step 0 is R0; c_min 1500 leaves 1600..16000 (37) to fit, 40 beyond
+    for name, (A, B, C_mid) in {"a": (0.610, 1.92, 2542), "b": (0.645, 1.70, 4000)}.items():
+        r = rows[name]
+        assert r[1] == "37" and float(r[2]) == R0
+        assert abs(float(r[3]) - A) < 0.01 and abs(float(r[6]) / B - 1) < 0.1 and abs(float(r[8]) / C_mid - 1) < 0.1
+        mae, n_tail = r[11].split()
+        assert float(mae) < 0.01 and n_tail == "(40)"  # extrapolation error on the held-out tail
+    assert "comparison (§4)" in out and "-> b scales best" in out  # A differ by 0.035: the ceiling decides
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_cli_other_x_column_and_r0(tmp_path, capsys):
+    write_run(tmp_path / "a" / "metrics.jsonl", 0.610, 1.92, 2542, seed=0)
+    fit.main(tyro.cli(fit.Args, args=[str(tmp_path / "a" / "metrics.jsonl"), "--x", "step", "--r0", "0.35",
+                                      "--n-boot", "0", "--out", str(tmp_path / "s.png")]))
+    r = table_rows(capsys.readouterr().out)["a"]
+    assert r[1] == "80" and abs(float(r[3]) - 0.610) < 0.01 and abs(float(r[8]) / (2542 / 40) - 1) < 0.1
+    assert (tmp_path / "s.png").exists()
+
+
+def test_load_metrics(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 2, "gpu_hours": 2.0, "eval/pass_rate": 0.5}\n{"step": 1, "gpu_hours": 1.0}\n\n'
+                 '{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.4}\n')
+    C, R = fit.load_metrics(p)
+    assert C.tolist() == [0.0, 2.0] and R.tolist() == [0.4, 0.5]
+    p.write_text('{"step": 0, "eval/pass_rate": 0.4}\n')
+    with pytest.raises(ValueError, match="m.jsonl:1: has 'eval/pass_rate' but no 'gpu_hours'"):
+        fit.load_metrics(p)
+    p.write_text('{"step": 0}\n{"step": 1, oops\n')
+    with pytest.raises(ValueError, match="m.jsonl:2: not JSON"):
+        fit.load_metrics(p)
+    with pytest.raises(SystemExit, match="m.jsonl:2: not JSON"):
+        fit.main(fit.Args(paths=[str(p)]))
