@@ -118,7 +118,7 @@ class Pipeline:
         self._wake, self._publish_event = asyncio.Event(), asyncio.Event()  # bound to the loop at first wait
         self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
-        self._thread, self._task, self._producer = None, None, None
+        self._thread, self._task, self._producer, self._loading = None, None, None, None
         atexit.register(self.close)
         try:
             if isinstance(model, str):
@@ -346,14 +346,15 @@ class Pipeline:
             path, version = job
             self._vkeys.append(self.sampler.version + 1)  # before loading: tokens of the new weights may come back
             self._vvals.append(version)  # before update_weights returns
+            # Shielded: cancelling a load halfway could leave the engine paused; close() waits for it instead.
+            self._loading = asyncio.ensure_future(self.sampler.update_weights(path))
+            self._loading.add_done_callback(lambda _, path=path: self._remove(path))  # read to the end, then deleted
             try:
-                new = await self.sampler.update_weights(path)
+                new = await asyncio.shield(self._loading)
                 if new != self._vkeys[-1]:
                     raise RuntimeError(f"sampler went to version {new}, expected {self._vkeys[-1]}")
             except Exception as exc:
                 return self._fail(exc, f"loading the weights of version {version} from {path}")
-            finally:
-                self._remove(path)
             with self._cv:
                 self._applied = version
                 if self.mode == "ppo":
@@ -385,6 +386,8 @@ class Pipeline:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._loading is not None:
+            await asyncio.gather(self._loading, return_exceptions=True)
 
     # ---- helpers ----
 
