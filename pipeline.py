@@ -1,32 +1,30 @@
-"""Rollouts to scored groups to batches: one producer thread, asynchronous RL with bounded off-policyness k.
+"""Rollouts to scored groups to batches: a producer thread and asynchronous RL with bounded off-policyness k.
 
-Implements ScaleRL's PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6).
-A producer thread runs an asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`,
-samples groups of G, scores them with `reward.math_rewards` (in a thread, since it blocks) and queues them; the
-trainer (main thread) takes batches of P groups with `get_batch`, publishes new weights with `publish` (applied in
-flight, the call returns at once) and evaluates with `evaluate`. Exercised by `python -m pytest tests/test_pipeline.py`,
-`python bench/pipeline.py` and every `python train.py`:
+PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
+asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
+them with `reward.math_rewards` in a thread and queues them; the trainer takes batches of P groups, publishes weights
+(loaded in flight) and evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
 
     with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8) as pipe:
-        batch = pipe.get_batch(version)                      # Batch(groups, version, metrics)
-        ...train...; path = pipe.weights_dir(version + 1); model.save_pretrained(path); pipe.publish(path, version + 1)
+        batch = pipe.get_batch(v)  # ...train...; then save to pipe.weights_dir(v + 1) and pipe.publish(that_dir, v + 1)
 
-Lag of a group consumed at trainer version t: t - min_version, the oldest policy version of any of its sampled
-tokens (queue time counts). Accepted iff lag <= k. Where this departs from the paper, and why:
-1. "Trainers wait if k steps ahead" is enforced on the producer side (`may_start`): a group starts only if, counting
-   the groups ahead of it, it will be consumed with lag <= k; so k = 0 is synchronous on-policy RL exactly. A group
+A group consumed at trainer version t has lag t - min_version, the oldest policy version of any of its sampled tokens
+(queue time counts); it is accepted iff lag <= k. Where this departs from the paper, and why:
+1. "Trainers wait if k steps ahead" is enforced by the producer (`may_start`): a group starts only if, counting the
+   groups ahead of it, it will be consumed with lag <= k, so k = 0 is synchronous on-policy RL exactly. A group
    overtaken by later ones (it finished late) can still exceed k: it is dropped and counted (`gen/dropped_stale`).
 2. Versions are the trainer's (`publish`'s numbers); forced phrase tokens (mask 0) do not count towards the lag.
 3. Publishes coalesce: if several arrive while one loads, only the newest loads (weights are whole snapshots).
-4. PPO-off-policy-k: k·P groups per frozen weight version, k batches consumed per version (lags 0..k-1); a batch
-   may be consumed before the round's other groups finish (the data are the same); weights published mid-round
-   wait for the round's end, so `evaluate` then sees the round's weights (it reports `eval/version`).
-5. Producer idle time is the time with no group in flight (the sampler's idle time, which PipelineRL reduces).
+4. PPO-off-policy-k: k·P groups per frozen weight version, k batches per version (lags 0..k-1); a batch may be
+   consumed before the round's other groups finish (same data); weights published mid-round wait for the round's
+   end, so `evaluate` then sees the round's weights (it reports `eval/version`).
+5. Producer idle time is time with no group in flight: the sampler's idle time, which PipelineRL reduces.
 """
 
 import asyncio
 import atexit
 import collections
+import contextlib
 import os
 import shutil
 import statistics
@@ -41,7 +39,7 @@ import torch
 import generate
 import reward
 
-CLOSE_TIMEOUT = 20.0  # seconds close() waits for each of: cancelling in-flight groups, the producer thread to end
+CLOSE_TIMEOUT = 20.0  # seconds close() waits for each of: in-flight groups to cancel, the producer thread to end
 
 
 def accept(version: int, min_version: int, max_lag: int) -> bool:
@@ -51,22 +49,22 @@ def accept(version: int, min_version: int, max_lag: int) -> bool:
 
 
 def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bool:
-    """PipelineRL throttle: may a new group start now? t_next: trainer version at its next consumption; outstanding:
-    groups started and not yet consumed or dropped (queued + in flight); v: the sampler's weight version. The new
-    group is consumed about `outstanding // P` batches after t_next, and its tokens are from versions >= v."""
+    """PipelineRL throttle: may a group start now? t_next: trainer version at its next consumption; outstanding:
+    groups started, not yet consumed or dropped; v: the sampler's weight version. The new group will be consumed
+    about `outstanding // P` batches after t_next, and its tokens come from versions >= v."""
     return t_next + outstanding // P - v <= max_lag
 
 
 @dataclass
 class Group:
-    """G rollouts of one prompt with their rewards. Versions are trainer versions (`completion.versions` too)."""
+    """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
 
     prompt: object  # data.Prompt: index, prompt_ids, gold, thinking
     completions: list[generate.Completion]
-    rewards: list[float]  # (G,) one per completion
-    min_version: int  # oldest policy version of any sampled token (mask True) of the group
+    rewards: list[float]  # (G,)
+    min_version: int  # oldest policy version of any sampled token (mask True) in the group
     max_version: int  # newest one
-    seq: int  # start order, 0, 1, ... over the pipeline's life
+    seq: int  # start order over the pipeline's life
     gen_s: float  # seconds from start to scored
 
 
@@ -74,20 +72,19 @@ class Group:
 class Batch:
     groups: list[Group]  # P groups, in the order they finished
     version: int  # trainer version the batch was consumed at
-    metrics: dict[str, float]  # gen/, train/, time/ metrics of this batch (see Pipeline.get_batch)
+    metrics: dict[str, float]  # see Pipeline.get_batch
 
 
 class Pipeline:
-    """Producer thread + sampler + queue, for the trainer's main thread (§3.1). Use as a context manager.
+    """Producer thread + sampler + queue for the trainer's main thread (§3.1); use it as a context manager.
 
-    model: a model directory (the producer creates `generate.Sampler.create(model, **sampler_kwargs)` in its own
-      thread and loop, and shuts it down on close), or a running Sampler with `loop`, the event loop that runs it
-      in another thread (borrowed, left running). prompts[i] for i from `pool.next()`: objects with index,
-      prompt_ids, gold, thinking. mode "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k =
-      max_lag >= 1 batches per weight version. max_inflight: cap on groups being generated (default 2P).
-      reward_fn(responses, golds, thinking, timeout) -> floats, like `reward.math_rewards`. gen_timeout: seconds
-      for one group to be sampled and scored, beyond which the pipeline fails. version: trainer version of the
-      start weights. Raises ValueError on bad settings, the sampler's errors if it cannot start.
+    model: a model directory (the producer thread starts `generate.Sampler.create(model, **sampler_kwargs)` in its
+    own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
+    thread (borrowed: left running). prompts[pool.next()]: objects with index, prompt_ids, gold, thinking. mode
+    "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
+    version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
+    floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
+    version: trainer version of the start weights. Raises ValueError on bad settings, the sampler's start errors.
     """
 
     def __init__(self, model, prompts, pool, *, group_size: int, prompts_per_batch: int, max_lag: int = 8,
@@ -95,30 +92,26 @@ class Pipeline:
                  loop: asyncio.AbstractEventLoop | None = None, reward_fn=reward.math_rewards,
                  reward_timeout: float = 5.0, gen_timeout: float = 3600.0, version: int = 0):
         if mode not in ("pipeline", "ppo") or max_lag < (mode == "ppo") or min(group_size, prompts_per_batch) < 1:
-            raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size >= 1, "
+            raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
                              f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}")
-        if getattr(pool, "n_prompts", len(prompts)) != len(prompts):
-            raise ValueError(f"pool draws from {pool.n_prompts} prompts but {len(prompts)} were given")
-        if isinstance(model, str) == (loop is not None):
-            raise ValueError("pass a model directory, or a running Sampler together with its event loop")
-        self.G, self.P, self.k, self.mode = group_size, prompts_per_batch, max_lag, mode
-        self.max_lag_accepted = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
+        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (loop is not None):
+            raise ValueError("pass as many prompts as the pool draws from, and a model directory or a running "
+                             "Sampler together with its event loop")
+        self.G, self.P, self.k, self.mode, self.gen_timeout = group_size, prompts_per_batch, max_lag, mode, gen_timeout
+        self._accept_lag = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
         self.max_inflight = max_inflight or 2 * prompts_per_batch
         self.prompts, self.pool, self.reward_fn, self.reward_timeout = prompts, pool, reward_fn, reward_timeout
-        self.gen_timeout = gen_timeout
-        self._cv = threading.Condition()  # guards everything below that both threads touch
+        self._cv = threading.Condition()  # guards the state both threads touch
         self._queue: collections.deque[Group] = collections.deque()
-        self._error: BaseException | None = None
-        self._closed = False
+        self._error, self._closed, self._pending = None, False, None  # _pending: newest published (dir, version)
         self._t_next = self._published = self._released = self._applied = version
-        self._pending: tuple[str, int] | None = None  # newest published (dir, version), not yet loading
         self._outstanding = self._started = self._round_started = self._round_consumed = self.dropped = 0
         self._inflight: dict[int, float] = {}  # seq -> start time
         self._idle_s, self._idle_since = 0.0, time.perf_counter()
         self._wake, self._publish_event = asyncio.Event(), asyncio.Event()  # bound to the loop at first wait
         self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
-        self._thread, self._task, self._producer, self._loading = None, None, None, None
+        self._thread = self._task = self._producer = self._loading = self.sampler = None
         atexit.register(self.close)
         try:
             if isinstance(model, str):
@@ -141,26 +134,21 @@ class Pipeline:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- trainer side (main thread) ----
-
     def get_batch(self, version: int, timeout: float | None = None) -> Batch:
-        """The next P groups acceptable at trainer version `version` (lag <= k), dropping (and counting) stale ones.
-        Waits in 0.5 s slices; raises the producer's exception (sampler, reward, data; with its traceback) as soon as
-        it is stored, TimeoutError after `timeout` s saying what the producer is doing, RuntimeError if closed.
-        metrics: train/lag_min|mean|max, gen/queue_depth (left queued), gen/inflight, gen/dropped_stale, gen/tokens,
+        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped and counted. Waits in
+        0.5 s slices. Raises the producer's exception (sampler, reward, data; its traceback and a note) once stored,
+        TimeoutError after `timeout` s saying what the producer is doing, RuntimeError once closed. metrics:
+        train/lag_min|mean|max, gen/queue_depth (left queued), gen/inflight, gen/dropped_stale, gen/tokens,
         gen/interrupt_rate, gen/truncation_rate, gen/reward_mean|std, time/trainer_wait_s, time/producer_idle_s
-        (no group in flight, since the previous batch), time/group_gen_s (mean seconds to sample + score a group)."""
-        t0 = time.perf_counter()
+        (no group in flight, since the last batch), time/group_gen_s (mean seconds to sample and score a group)."""
+        t0, dropped = time.perf_counter(), 0
         with self._cv:
-            self._t_next, dropped = max(self._t_next, version), 0
+            self._t_next = max(self._t_next, version)
             while True:
                 self._check()
-                stale = [g for g in self._queue if not accept(version, g.min_version, self.max_lag_accepted)]
-                for g in stale:
+                for g in [g for g in self._queue if not accept(version, g.min_version, self._accept_lag)]:
                     self._queue.remove(g)
-                self._outstanding, dropped, self.dropped = (self._outstanding - len(stale), dropped + len(stale),
-                                                            self.dropped + len(stale))
-                if stale:
+                    self._outstanding, dropped, self.dropped = self._outstanding - 1, dropped + 1, self.dropped + 1
                     self._poke(self._wake)
                 if len(self._queue) >= self.P:
                     break
@@ -176,37 +164,35 @@ class Pipeline:
             self._idle_s, self._idle_since = 0.0, now
             queued, inflight = len(self._queue), len(self._inflight)
         self._poke(self._wake)
-        lags = [version - g.min_version for g in groups]
-        comps = [c for g in groups for c in g.completions]
-        rewards = [r for g in groups for r in g.rewards]
+        lags, comps = [version - g.min_version for g in groups], [c for g in groups for c in g.completions]
+        rewards, mean = [r for g in groups for r in g.rewards], statistics.fmean
         return Batch(groups, version, {
-            "train/lag_min": min(lags), "train/lag_mean": statistics.fmean(lags), "train/lag_max": max(lags),
+            "train/lag_min": min(lags), "train/lag_mean": mean(lags), "train/lag_max": max(lags),
             "gen/queue_depth": queued, "gen/inflight": inflight, "gen/dropped_stale": dropped,
             "gen/tokens": sum(len(c.completion_ids) for c in comps),
-            "gen/interrupt_rate": statistics.fmean(c.interrupted for c in comps),
-            "gen/truncation_rate": statistics.fmean(c.truncated for c in comps),
-            "gen/reward_mean": statistics.fmean(rewards), "gen/reward_std": statistics.pstdev(rewards),
+            "gen/interrupt_rate": mean(c.interrupted for c in comps),
+            "gen/truncation_rate": mean(c.truncated for c in comps),
+            "gen/reward_mean": mean(rewards), "gen/reward_std": statistics.pstdev(rewards),
             "time/trainer_wait_s": now - t0, "time/producer_idle_s": idle,
-            "time/group_gen_s": statistics.fmean(g.gen_s for g in groups)})
+            "time/group_gen_s": mean(g.gen_s for g in groups)})
 
     def weights_dir(self, version: int) -> str:
-        """A fresh directory (on /dev/shm where there is one) to save version `version` into before `publish`; the
-        pipeline deletes it once loaded or superseded, so vLLM never reads a directory being overwritten."""
+        """A fresh directory (on /dev/shm if there is one) to save a version into for `publish`; the pipeline
+        deletes it once loaded or superseded, so vLLM never reads a directory that is being written."""
         return tempfile.mkdtemp(prefix=f"v{version}_", dir=self._root)
 
     def publish(self, weights_dir: str, version: int) -> None:
-        """Hand the sampler the weights of trainer version `version` (a safetensors directory), without waiting:
-        PipelineRL loads them in flight at once (§3.1); PPO-off-policy-k holds them until the round's k batches are
-        consumed. A directory from `weights_dir()` is deleted once loaded or superseded; others are left alone.
-        Raises ValueError unless `version` exceeds every earlier one; the producer's exception if it failed."""
+        """Hand the sampler trainer version `version` (a safetensors directory) and return: PipelineRL loads it in
+        flight (§3.1); PPO-off-policy-k holds it until the round's k batches are consumed. A directory from
+        `weights_dir()` is deleted once loaded or superseded; others are left alone. Raises ValueError unless
+        `version` exceeds every earlier one; the producer's exception if it failed; RuntimeError once closed."""
         with self._cv:
             self._check()
             if version <= self._published:
                 raise ValueError(f"version {version} must exceed the last published one, {self._published}")
             old, self._pending, self._published = self._pending, (os.fspath(weights_dir), version), version
             self._t_next = max(self._t_next, version)
-            release = self.mode == "pipeline" or self._round_consumed >= self.k
-            if release:
+            if release := self.mode == "pipeline" or self._round_consumed >= self.k:
                 self._released, self._round_consumed = version, 0
         if old:
             self._remove(old[0])
@@ -214,12 +200,11 @@ class Pipeline:
             self._poke(self._publish_event)
 
     def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None):
-        """Sample n completions of each prompt on the newest released weights, after they are loaded, and score
-        them -> (metrics, records). metrics: eval/pass_rate (mean reward), eval/mean_len (tokens),
-        eval/truncation_rate, eval/interrupt_rate, eval/version. records: one dict per sample (index, sample,
-        text, gold, reward, tokens, interrupted, truncated, version) for samples.jsonl. generate.check_sampling
-        rejects temperature 0, so there is no greedy pass; vLLM clamps temperatures below 0.01 to 0.01 anyway.
-        Raises as `get_batch` does, TimeoutError after `timeout` s."""
+        """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
+        metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
+        eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
+        interrupted, truncated, version). No greedy pass: generate.check_sampling rejects temperature 0 (vLLM turns
+        anything below 0.01 into 0.01). Raises the sampler's or reward's errors, TimeoutError after `timeout` s."""
         future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature), self.loop)
         try:
             return future.result(timeout)
@@ -228,8 +213,9 @@ class Pipeline:
             raise
 
     def close(self) -> None:
-        """Stop the producer, abort in-flight requests, shut an owned sampler down, join the thread, stop idle
-        reward workers, delete weight directories. Idempotent; returns within about 3 * CLOSE_TIMEOUT s."""
+        """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
+        join the thread, stop idle reward workers, delete weight directories. Idempotent; returns within about
+        3 * CLOSE_TIMEOUT s whatever state the producer is in."""
         with self._cv:
             if self._closed:
                 return
@@ -237,26 +223,18 @@ class Pipeline:
             self._cv.notify_all()
         atexit.unregister(self.close)
         if self._producer is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(CLOSE_TIMEOUT)
-            except BaseException:  # a stuck loop must not keep close() from shutting the rest down
-                pass
+            self._on_loop(self._stop())
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
-            if getattr(self, "sampler", None) is not None:
+            if self.sampler is not None:
                 self.sampler.shutdown()
-                try:  # let vLLM's cancelled tasks finish before the loop stops
-                    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), self.loop).result(CLOSE_TIMEOUT)
-                except BaseException:
-                    pass
+                self._on_loop(asyncio.sleep(0.2))  # let vLLM's cancelled tasks finish before the loop stops
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
             if not self._thread.is_alive():
                 self.loop.close()
         reward.close()
         shutil.rmtree(self._root, ignore_errors=True)
-
-    # ---- producer side (the loop's thread) ----
 
     async def _produce(self) -> None:
         self._task, tasks = asyncio.current_task(), set()
@@ -267,34 +245,26 @@ class Pipeline:
             while True:
                 self._wake.clear()
                 while (seq := self._claim()) is not None:
-                    prompt = self.prompts[self.pool.next()]
-                    tasks.add(task := asyncio.create_task(self._group(seq, prompt)))
+                    tasks.add(task := asyncio.create_task(self._group(seq, self.prompts[self.pool.next()])))
                     task.add_done_callback(tasks.discard)
                 await self._wake.wait()
-        except Exception as exc:  # pool.next() or indexing: data errors
+        except Exception as exc:  # pool.next() or prompts[...]: data errors
             self._fail(exc, "drawing a prompt")
         finally:
             for task in [*tasks, updater]:
                 task.cancel()  # vLLM aborts a cancelled request
             await asyncio.gather(*tasks, updater, return_exceptions=True)
 
-    def _claim(self) -> int | None:
-        """Start order of a group that may start now (counted as started), or None."""
+    def _claim(self) -> int | None:  # the start order of a group that may start now (counted as started), or None
         with self._cv:
-            if self._error or self._closed or len(self._inflight) >= self.max_inflight:
-                return None
-            if self.mode == "ppo":
-                ok = self._round_started < self.k * self.P  # k batches per weight version
-            else:
-                ok = may_start(self._t_next, self._outstanding, self.P, self._applied, self.k)
-            if not ok:
+            if (self._error or self._closed or len(self._inflight) >= self.max_inflight or not (
+                    self._round_started < self.k * self.P if self.mode == "ppo"  # k batches per weight version
+                    else may_start(self._t_next, self._outstanding, self.P, self._applied, self.k))):
                 return None
             seq, now = self._started, time.perf_counter()
-            if not self._inflight:
-                self._idle_s += now - self._idle_since
-            self._inflight[seq] = now
-            self._started, self._outstanding, self._round_started = seq + 1, self._outstanding + 1, \
-                self._round_started + 1
+            self._idle_s += 0.0 if self._inflight else now - self._idle_since
+            self._inflight[seq], self._started, self._outstanding = now, seq + 1, self._outstanding + 1
+            self._round_started += 1
             return seq
 
     async def _group(self, seq: int, prompt) -> None:
@@ -312,27 +282,24 @@ class Pipeline:
             sampled = torch.cat([c.versions[c.mask] for c in comps])
             group = Group(prompt, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()), seq,
                           time.perf_counter() - t0)
-        except Exception as error:
-            exc = error
-            if deadline.expired():  # a hang: say so, rather than asyncio's bare TimeoutError
-                exc = TimeoutError(f"group {seq} (prompt {prompt.index}) was not sampled and scored within "
-                                   f"gen_timeout={self.gen_timeout} s")
-            return self._fail(exc, f"generating or scoring group {seq} (prompt {prompt.index})")
+        except Exception as exc:
+            hang = TimeoutError(f"group {seq} (prompt {prompt.index}) was not sampled and scored within "
+                                f"gen_timeout={self.gen_timeout} s")  # clearer than asyncio's bare TimeoutError
+            return self._fail(hang if deadline.expired() else exc, f"generating or scoring group {seq}")
         finally:
             with self._cv:
                 del self._inflight[seq]
-                if not self._inflight:
-                    self._idle_since = time.perf_counter()
+                self._idle_since = self._idle_since if self._inflight else time.perf_counter()
             self._wake.set()
         with self._cv:
             self._queue.append(group)
             self._cv.notify_all()
 
-    def _to_trainer(self, versions: torch.Tensor) -> torch.Tensor:
+    def _to_trainer(self, versions: torch.Tensor) -> torch.Tensor:  # sampler versions (T,) -> trainer versions (T,)
         keys = torch.tensor(self._vkeys)
         idx = torch.searchsorted(keys, versions).clamp(max=len(keys) - 1)
         if not torch.equal(keys[idx], versions):
-            raise RuntimeError(f"tokens of sampler versions {versions.unique().tolist()}, known: {self._vkeys}")
+            raise RuntimeError(f"tokens of sampler versions {versions.unique().tolist()}; known: {self._vkeys}")
         return torch.tensor(self._vvals)[idx]
 
     async def _update_loop(self) -> None:
@@ -343,53 +310,48 @@ class Pipeline:
                 job, self._pending = self._pending, None
             if job is None:
                 continue
-            path, version = job
-            self._vkeys.append(self.sampler.version + 1)  # before loading: tokens of the new weights may come back
-            self._vvals.append(version)  # before update_weights returns
-            # Shielded: cancelling a load halfway could leave the engine paused; close() waits for it instead.
-            self._loading = asyncio.ensure_future(self.sampler.update_weights(path))
-            self._loading.add_done_callback(lambda _, path=path: self._remove(path))  # read to the end, then deleted
+            # Map first: tokens of the new weights may come back before the load returns.
+            self._vkeys.append(self.sampler.version + 1)
+            self._vvals.append(job[1])
+            # Shielded: a load cancelled halfway could leave the engine paused, so close() waits for it instead.
+            self._loading = asyncio.ensure_future(self.sampler.update_weights(job[0]))
+            self._loading.add_done_callback(lambda _, path=job[0]: self._remove(path))  # read to the end, deleted
             try:
-                new = await asyncio.shield(self._loading)
-                if new != self._vkeys[-1]:
-                    raise RuntimeError(f"sampler went to version {new}, expected {self._vkeys[-1]}")
+                if (new := await asyncio.shield(self._loading)) != self._vkeys[-1]:
+                    raise RuntimeError(f"the sampler went to version {new}, expected {self._vkeys[-1]}")
             except Exception as exc:
-                return self._fail(exc, f"loading the weights of version {version} from {path}")
+                return self._fail(exc, f"loading the weights of version {job[1]} from {job[0]}")
             with self._cv:
-                self._applied = version
-                if self.mode == "ppo":
-                    self._round_started = 0
+                self._applied, self._round_started = job[1], 0 if self.mode == "ppo" else self._round_started
                 self._cv.notify_all()
             self._wake.set()
 
     async def _evaluate(self, prompts, n, temperature):
-        while self._applied < self._released:  # the newest released weights first
+        while self._applied < self._released:
             with self._cv:
                 self._check()
             await asyncio.sleep(0.05)
         version, loop = self._applied, asyncio.get_running_loop()
         groups = await asyncio.gather(*[self.sampler.generate(p.prompt_ids, n=n, thinking=p.thinking,
                                                               temperature=temperature) for p in prompts])
-        rewards = await asyncio.gather(*[loop.run_in_executor(
-            self._executor, self.reward_fn, [c.text for c in g], [p.gold] * n, p.thinking, self.reward_timeout)
-            for p, g in zip(prompts, groups, strict=True)])
-        records = [{"index": p.index, "sample": j, "text": c.text, "gold": p.gold, "reward": float(r),
+        rewards = await asyncio.gather(*[loop.run_in_executor(self._executor, self.reward_fn, [c.text for c in g],
+                                                              [p.gold] * n, p.thinking, self.reward_timeout)
+                                         for p, g in zip(prompts, groups, strict=True)])
+        records = [{"index": p.index, "sample": j, "text": c.text, "gold": p.gold, "reward": float(rs[j]),
                     "tokens": len(c.completion_ids), "interrupted": c.interrupted, "truncated": c.truncated,
-                    "version": version}
-                   for p, g, rs in zip(prompts, groups, rewards, strict=True) for j, (c, r) in enumerate(zip(g, rs, strict=True))]
+                    "version": version} for p, g, rs in zip(prompts, groups, rewards, strict=True)
+                   for j, c in enumerate(g)]
         mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
-        return {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"),
-                "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted"),
-                "eval/version": version}, records
+        return {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"), "eval/version": version,
+                "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted")}, records
 
     async def _stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._loading is not None:
-            await asyncio.gather(self._loading, return_exceptions=True)
+        self._task.cancel()
+        await asyncio.gather(self._task, *[self._loading] if self._loading else [], return_exceptions=True)
 
-    # ---- helpers ----
+    def _on_loop(self, coro) -> None:  # for close(): a stuck loop must not keep it from shutting the rest down
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(coro, self.loop).result(CLOSE_TIMEOUT)
 
     def _check(self) -> None:  # with self._cv held
         if self._error is not None:
@@ -404,28 +366,17 @@ class Pipeline:
             self._cv.notify_all()
 
     def _poke(self, event: asyncio.Event) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to wake
             self.loop.call_soon_threadsafe(event.set)
-        except RuntimeError:  # the loop is closed: nothing left to wake
-            pass
 
     def _remove(self, path: str) -> None:
         if os.path.dirname(os.path.abspath(path)) == self._root:
             shutil.rmtree(path, ignore_errors=True)
 
-    def _describe(self, version: int, timeout: float) -> str:
-        """What the producer is doing, for a get_batch timeout."""
-        now = time.perf_counter()
-        if self._inflight:
-            doing = (f"generating {len(self._inflight)} groups, the oldest for "
-                     f"{now - min(self._inflight.values()):.1f} s (gen_timeout {self.gen_timeout} s)")
-        elif self._applied < self._released:
-            doing = f"loading the weights of version {self._released}"
-        elif self.mode == "ppo":
-            doing = f"round of version {self._applied} fully generated; waiting for its k={self.k} batches + publish"
-        else:
-            need = self._t_next + self._outstanding // self.P - self.k
-            doing = f"throttled (max_lag {self.k}): waiting for the weights of version >= {need} to be published"
+    def _describe(self, version: int, timeout: float) -> str:  # with self._cv held
+        oldest = time.perf_counter() - min(self._inflight.values(), default=time.perf_counter())
+        doing = (f"generating {len(self._inflight)} groups, the oldest for {oldest:.1f} s" if self._inflight
+                 else f"loading the weights of version {self._released}" if self._applied < self._released
+                 else f"throttled (mode {self.mode}, k={self.k}): waiting for newer weights to be published")
         return (f"no batch of {self.P} groups for trainer version {version} within {timeout} s: {len(self._queue)} "
-                f"groups queued, sampler weights at version {self._applied}, last published {self._published}; "
-                f"producer: {doing}")
+                f"queued, sampler at version {self._applied}, last published {self._published}; producer: {doing}")

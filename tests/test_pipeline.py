@@ -273,7 +273,7 @@ def test_hang_caught_by_get_batch_timeout_then_close_cancels(loop):
     pipe = pipeline.Pipeline(sampler, make_prompts(), filters.PromptPool(8), loop=loop, group_size=G,
                              prompts_per_batch=P, max_lag=8)
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"0 groups queued.*generating 4 groups, the oldest for"):
+    with pytest.raises(TimeoutError, match=r"within 1.0 s: 0 queued.*generating 4 groups, the oldest for"):
         pipe.get_batch(0, timeout=1.0)  # max_inflight 2P = 4 groups hang
     assert 1.0 <= time.monotonic() - t < 3
     t = time.monotonic()
