@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -34,12 +35,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import psutil  # a vLLM dependency
 import torch
 
 import generate
 import reward
 
-CLOSE_TIMEOUT = 20.0  # seconds close() waits for each of: in-flight groups to cancel, the producer thread to end
+CLOSE_TIMEOUT = 20.0  # seconds close() waits for each of: groups to cancel, reward calls to end, the thread to end
 
 
 def accept(version: int, min_version: int, max_lag: int) -> bool:
@@ -112,14 +114,18 @@ class Pipeline:
         self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
+        self._engines, self._workers = [], []  # the owned engine's processes, its children: close() ends them
         atexit.register(self.close)
         try:
             if isinstance(model, str):
                 self.loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self.loop.run_forever, name="pipeline-producer", daemon=True)
                 self._thread.start()
+                before = multiprocessing.active_children()
                 create = generate.Sampler.create(model, **(sampler_kwargs or {}))
                 self.sampler = asyncio.run_coroutine_threadsafe(create, self.loop).result()
+                self._engines = [p for p in multiprocessing.active_children() if p not in before]
+                self._workers = [c for p in self._engines for c in psutil.Process(p.pid).children(recursive=True)]
             else:
                 self.loop, self.sampler = loop, model
             self._vkeys, self._vvals = [self.sampler.version], [version]  # sampler version -> trainer version
@@ -215,7 +221,7 @@ class Pipeline:
     def close(self) -> None:
         """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
         join the thread, stop idle reward workers, delete weight directories. Idempotent; returns within about
-        3 * CLOSE_TIMEOUT s whatever state the producer is in."""
+        4 * CLOSE_TIMEOUT s whatever state the producer is in."""
         with self._cv:
             if self._closed:
                 return
@@ -224,11 +230,20 @@ class Pipeline:
         atexit.unregister(self.close)
         if self._producer is not None:
             self._on_loop(self._stop())
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        waiter = threading.Thread(target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+        waiter.start()  # running reward calls hold workers that reward.close() would leave alive
+        waiter.join(CLOSE_TIMEOUT)
         if self._thread is not None:
             if self.sampler is not None:
                 self.sampler.shutdown()
                 self._on_loop(asyncio.sleep(0.2))  # let vLLM's cancelled tasks finish before the loop stops
+            for proc in self._engines:  # vLLM's shutdown may return with them still exiting
+                proc.join(CLOSE_TIMEOUT)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(CLOSE_TIMEOUT)
+            for proc in psutil.wait_procs(self._workers, timeout=CLOSE_TIMEOUT)[1]:
+                proc.kill()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
             if not self._thread.is_alive():
