@@ -41,7 +41,7 @@ import torch
 import generate
 import reward
 
-CLOSE_TIMEOUT = 20.0  # seconds close() waits for each of: groups to cancel, reward calls to end, the thread to end
+CLOSE_TIMEOUT = 20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
 
 
 def accept(version: int, min_version: int, max_lag: int) -> bool:
@@ -220,8 +220,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
-        join the thread, stop idle reward workers, delete weight directories. Idempotent; returns within about
-        4 * CLOSE_TIMEOUT s whatever state the producer is in."""
+        join the thread, end the engine's processes and idle reward workers, delete weight directories. Idempotent;
+        each wait is bounded by CLOSE_TIMEOUT, so it returns whatever state the producer is in."""
         with self._cv:
             if self._closed:
                 return
