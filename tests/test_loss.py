@@ -1,0 +1,451 @@
+"""Pins loss.py against references written here, independently, in numpy / float64 torch or by hand.
+
+token_logprobs: matches float64 log_softmax(hidden @ weight.T / T) to 1e-5 (several chunk sizes and
+temperatures), float32 output and input-dtype gradients for bf16, gradients equal naive autograd, a frozen head
+gets no gradient and no (V, H) work, and no (N, V) tensor is ever created (checked against the naive path, which
+does create one). completion_logprobs: the shift-by-one alignment of a padded batch. group_advantages: exact 0
+for zero-variance groups even from float residue (eight 0.35s in float32), the three normalizations by hand.
+aggregation_weights: prompt / sample / token weights on unequal-length groups equal the paper's formulas and
+differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss: every loss type against a
+numpy reference of value and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the
+gradient above the cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's
+ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp.
+Every public function raises a clear error on bad shapes and dtypes.
+"""
+
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import loss
+
+# ---------------------------------------------------------------- references, written independently of loss.py
+
+
+def np_log_softmax_pick(h, w, t, temperature):
+    z = (h.astype(np.float64) @ w.astype(np.float64).T) / temperature
+    z = z - z.max(1, keepdims=True)
+    return z[np.arange(len(t)), t] - np.log(np.exp(z).sum(1))
+
+
+def naive_logprobs(h, w, t, temperature=1.0):
+    return torch.log_softmax(h @ w.T / temperature, -1).gather(1, t[:, None])[:, 0]
+
+
+def np_policy_loss(logp, old, adv, w, kind, eps_low=0.2, eps_high=0.28, cap=4.0, g_lo=3e-3, g_hi=5e-3):
+    """Loss and d loss / d logp from the paper's formulas, with the gradient derived by hand."""
+    valid = w > 0
+    loss_val, grad = 0.0, np.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        idx = np.flatnonzero(valid[i])
+        A = adv[i]
+        if kind == "gspo":
+            if len(idx) == 0:
+                continue
+            s = math.exp(np.mean(logp[i, idx] - old[i, idx]))
+            W = w[i, idx].sum()
+            clipped = (A > 0 and s > 1 + g_hi) or (A < 0 and s < 1 - g_lo)
+            loss_val -= W * (min(max(s, 1 - g_lo), 1 + g_hi) * A if clipped else s * A)
+            grad[i, idx] = 0.0 if clipped else -W * A * s / len(idx)
+            continue
+        for t in idx:
+            rho = math.exp(logp[i, t] - old[i, t])
+            if kind == "cispo":
+                loss_val -= w[i, t] * min(rho, cap) * A * logp[i, t]
+                grad[i, t] = -w[i, t] * min(rho, cap) * A
+            else:
+                clipped = (A > 0 and rho > 1 + eps_high) or (A < 0 and rho < 1 - eps_low)
+                loss_val -= w[i, t] * (min(max(rho, 1 - eps_low), 1 + eps_high) * A if clipped else rho * A)
+                grad[i, t] = 0.0 if clipped else -w[i, t] * A * rho
+    return loss_val, grad
+
+
+class RecordShapes(TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns, forward and backward, and the most tensors of at least
+    `big` elements (distinct storages) alive at once. TorchDispatchMode lives in a private module (checked on
+    torch 2.13); the naive positive control fails if it stops seeing ops. The public TorchFunctionMode misses
+    backward."""
+
+    def __init__(self, big=None):
+        super().__init__()
+        self.shapes, self.big, self.alive, self.max_alive = [], big, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, tuple) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.shapes.append(tuple(o.shape))
+                if self.big and o.numel() >= self.big:  # count storages: a view is not a new block
+                    self.alive.setdefault(o.untyped_storage().data_ptr(), []).append(weakref.ref(o))
+                    live = sum(any(r() is not None for r in refs) for refs in self.alive.values())
+                    self.max_alive = max(self.max_alive, live)
+        return out
+
+
+# ---------------------------------------------------------------- token_logprobs
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_float64_and_naive_autograd(chunk_size, temperature):
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 37, 16, 50
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    t = torch.randint(0, V, (N,), generator=g)
+    up = torch.randn(N, generator=g)  # arbitrary upstream gradient
+    logp = loss.token_logprobs(h, w, t, temperature=temperature, chunk_size=chunk_size)
+    assert logp.dtype == torch.float32 and logp.shape == (N,)
+    ref = np_log_softmax_pick(h.detach().numpy(), w.detach().numpy(), t.numpy(), temperature)
+    np.testing.assert_allclose(logp.detach().numpy(), ref, rtol=0, atol=1e-5)
+    gh, gw = torch.autograd.grad((logp * up).sum(), (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rh, rw = torch.autograd.grad((naive_logprobs(h64, w64, t, temperature) * up.double()).sum(), (h64, w64))
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(gh.double(), rh, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gw.double(), rw, rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_bf16_gives_float32_logp_and_input_dtype_grads():
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 20, 8, 30
+    h = torch.randn(N, H, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(V, H, generator=g).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    logp = loss.token_logprobs(h, w, t, chunk_size=6)
+    assert logp.dtype == torch.float32
+    # bf16 -> fp32 is exact, so the fp32 head must agree with float64 on the upcast values
+    ref = np_log_softmax_pick(h.detach().float().numpy(), w.detach().float().numpy(), t.numpy(), 1.0)
+    np.testing.assert_allclose(logp.detach().numpy(), ref, rtol=0, atol=1e-5)
+    logp.sum().backward()
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    naive_logprobs(h64, w64, t).sum().backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad.bfloat16().double(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad.double(), w64.grad.bfloat16().double(), rtol=1e-2, atol=1e-2)
+
+
+def test_token_logprobs_never_builds_an_N_by_V_tensor_and_skips_a_frozen_head():
+    g = torch.Generator().manual_seed(2)
+    N, H, V, chunk = 64, 8, 97, 16
+    t = torch.randint(0, V, (N,), generator=g)
+    for trainable in (True, False):
+        h = torch.randn(N, H, generator=g, requires_grad=True)
+        w = torch.randn(V, H, generator=g, requires_grad=trainable)
+        with RecordShapes(big=chunk * V) as fwd:
+            logp = loss.token_logprobs(h, w, t, chunk_size=chunk)
+        with RecordShapes(big=chunk * V) as bwd:
+            logp.sum().backward()
+        assert max(math.prod(s) for s in fwd.shapes + bwd.shapes) <= max(chunk * V, V * H)
+        assert fwd.max_alive == 1 and bwd.max_alive == int(trainable)  # one (chunk, V) block at a time
+        assert (w.grad is not None) == trainable
+        # a frozen head does no (V, H) or (chunk, V) work in backward
+        assert trainable or not [s for s in bwd.shapes if s in ((V, H), (chunk, V))]
+        h64 = h.detach().double().requires_grad_()
+        naive_logprobs(h64, w.detach().double(), t).sum().backward()
+        torch.testing.assert_close(h.grad.double(), h64.grad, rtol=0, atol=1e-5)
+    with RecordShapes(big=chunk * V) as naive:  # positive control: the recorder sees the naive path's (N, V) blocks
+        naive_logprobs(h, w, t).sum().backward()
+    assert (N, V) in naive.shapes and naive.max_alive >= 2
+
+
+def test_token_logprobs_no_grad_and_empty():
+    h, w = torch.randn(5, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    with torch.no_grad():
+        logp = loss.token_logprobs(h, w, torch.tensor([0, 1, 2, 3, 8]))
+    assert logp.grad_fn is None
+    assert loss.token_logprobs(h[:0], w, torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+def test_token_logprobs_errors():
+    h, w, t = torch.randn(4, 3), torch.randn(10, 3), torch.tensor([0, 1, 2, 9])
+    with pytest.raises(ValueError, match="hidden must be"):
+        loss.token_logprobs(h[None], w, t)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        loss.token_logprobs(h, torch.randn(10, 4), t)
+    with pytest.raises(ValueError, match="targets must be"):
+        loss.token_logprobs(h, w, t[:3])
+    with pytest.raises(TypeError, match="integer token ids"):
+        loss.token_logprobs(h, w, t.float())
+    with pytest.raises(TypeError, match="must be float"):
+        loss.token_logprobs(h.long(), w, t)
+    with pytest.raises(ValueError, match=r"\[0, V=10\)"):
+        loss.token_logprobs(h, w, torch.tensor([0, 1, 2, 10]))
+    with pytest.raises(ValueError, match="temperature"):
+        loss.token_logprobs(h, w, t, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        loss.token_logprobs(h, w, t, chunk_size=0)
+
+
+def test_completion_logprobs_aligns_a_padded_batch():
+    g = torch.Generator().manual_seed(3)
+    S, T, H, V = 3, 6, 5, 11
+    hidden = torch.randn(S, T, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g)
+    ids = torch.randint(0, V, (S, T), generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    logp = loss.completion_logprobs(hidden, w, ids, mask, temperature=0.9, chunk_size=2)
+    assert logp.shape == (S, T) and logp.dtype == torch.float32
+    H_np, W_np = hidden.detach().numpy(), w.numpy()
+    for s in range(S):
+        for t in range(T):
+            pick = np_log_softmax_pick(H_np[s, t - 1][None], W_np, ids[s, t : t + 1].numpy(), 0.9)[0]
+            want = pick if mask[s, t] else 0.0
+            assert abs(logp[s, t].item() - want) < 1e-5, (s, t)
+    logp.sum().backward()
+    used = torch.zeros(S, T, dtype=torch.bool)
+    used[:, :-1] = mask[:, 1:]  # only positions that predict a completion token get gradient
+    assert hidden.grad[~used].abs().max() == 0 and (hidden.grad[used].abs().sum(-1) > 0).all()
+    with pytest.raises(ValueError, match=r"mask\[:, 0\]"):
+        loss.completion_logprobs(hidden, w, ids, torch.ones(S, T, dtype=torch.bool))
+    with pytest.raises(ValueError, match="need hidden"):
+        loss.completion_logprobs(hidden, w, ids[:, :-1], mask[:, :-1])
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+def test_zero_variance_group_is_exactly_zero_even_from_float_residue():
+    # In float32, 8 x 0.35 minus its mean leaves ~3e-8 residue, which a plain std normalization blows up.
+    rewards = torch.tensor([0.35] * 8 + [1.0, 0.0, 0.0, 1.0], dtype=torch.float32)
+    gids = torch.tensor([0] * 8 + [1] * 4)
+    for norm in ("batch", "prompt", "none"):
+        adv = loss.group_advantages(rewards, gids, norm=norm)
+        assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
+        assert (adv[:8] == 0).all(), norm
+    only_flat = loss.group_advantages(torch.full((8,), 0.35), torch.zeros(8, dtype=torch.long), "batch")
+    assert (only_flat == 0).all()
+    tenths = torch.full((3,), 0.1, dtype=torch.float64)
+    residue = loss.group_advantages(tenths, torch.zeros(3, dtype=torch.long), "none")
+    assert residue.dtype == torch.float64 and (residue == 0).all()  # float64 mean of 0.1s is off by 1e-17
+
+
+def test_group_advantages_by_hand():
+    # group 7: rewards 1,0,0,0 (mean .25); group 3: 1,1,0 (mean 2/3); group 5: all 1 (zero variance); interleaved
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    gids = torch.tensor([7, 3, 7, 3, 7, 5, 7, 3, 5])
+    c = np.array([0.75, 1 / 3, -0.25, 1 / 3, -0.25, 0.0, -0.25, -2 / 3, 0.0])
+    np.testing.assert_allclose(loss.group_advantages(rewards, gids, "none").numpy(), c, atol=1e-7)
+    std7, std3 = math.sqrt(0.1875), math.sqrt(2 / 9)  # population stds of (1,0,0,0) and (1,1,0)
+    per_group = np.array([std7, std3, std7, std3, std7, 1.0, std7, std3, 1.0])
+    np.testing.assert_allclose(loss.group_advantages(rewards, gids, "prompt").numpy(), c / per_group, atol=1e-6)
+    batch_std = math.sqrt(np.mean(c**2))  # population std of the 9 centred values (their mean is 0)
+    np.testing.assert_allclose(loss.group_advantages(rewards, gids, "batch").numpy(), c / batch_std, atol=1e-6)
+
+
+def test_group_advantages_errors():
+    r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="norm must be"):
+        loss.group_advantages(r, g, "group")
+    with pytest.raises(ValueError, match="must match"):
+        loss.group_advantages(r, g[:1])
+    with pytest.raises(TypeError, match="integers"):
+        loss.group_advantages(r, g.float())
+    with pytest.raises(ValueError, match="NaN"):
+        loss.group_advantages(torch.tensor([1.0, float("nan")]), g)
+    with pytest.raises(ValueError, match="non-empty"):
+        loss.group_advantages(r[:0], g[:0])
+
+
+# ---------------------------------------------------------------- aggregation_weights
+
+
+LENS = [2, 4, 1, 1, 6, 0, 3]  # group 0: samples 0, 1 (6 tokens); group 1: samples 2-4, 6 (11 tokens), 2: sample 5
+GIDS = torch.tensor([0, 0, 1, 1, 1, 2, 1])  # group 2 has no valid token, so it is not counted in P
+
+
+def padded_mask(lens, T=8):
+    return torch.arange(T)[None, :] < torch.tensor(lens)[:, None]
+
+
+def test_aggregations_match_the_paper_formulas_on_unequal_groups():
+    mask = padded_mask(LENS)
+    ell = np.random.default_rng(0).normal(size=mask.shape)  # arbitrary per-token terms
+    groups = {0: [0, 1], 1: [2, 3, 4, 6]}
+    by_hand = {  # PAPER.md section 2; P = 2 groups, S = 6 non-empty samples
+        "prompt": np.mean([sum(ell[i, : LENS[i]].sum() for i in g) / sum(LENS[i] for i in g) for g in groups.values()]),
+        "sample": np.mean([ell[i, : LENS[i]].mean() for i in (0, 1, 2, 3, 4, 6)]),
+        "token": sum(ell[i, : LENS[i]].sum() for i in range(7)) / 17,
+    }
+    first_token = {"prompt": 1 / 12, "sample": 1 / 12, "token": 1 / 17}  # weight of token (0, 0)
+    results = {}
+    for agg in ("prompt", "sample", "token"):
+        w = loss.aggregation_weights(mask, GIDS, agg)
+        assert w.dtype == torch.float32 and w.shape == mask.shape
+        assert (w[~mask] == 0).all() and abs(w.sum().item() - 1) < 1e-6
+        assert abs(w[0, 0].item() - first_token[agg]) < 1e-7
+        results[agg] = float((w.double().numpy() * ell).sum())
+        assert abs(results[agg] - by_hand[agg]) < 1e-6, agg
+    assert len({round(v, 6) for v in results.values()}) == 3  # the three aggregations really differ here
+
+
+@pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
+@pytest.mark.parametrize("agg", ["prompt", "sample", "token"])
+def test_micro_batch_shares_sum_to_the_full_batch_loss(kind, agg):
+    mask = padded_mask(LENS)
+    rng = np.random.default_rng(1)
+    logp = torch.tensor(rng.normal(-1, 0.5, mask.shape), dtype=torch.float64, requires_grad=True)
+    old = (logp.detach() + torch.tensor(rng.normal(0, 0.3, mask.shape))).clone()
+    adv = loss.group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0]), GIDS, "batch").double()
+    w = loss.aggregation_weights(mask, GIDS, agg).double()
+    full, _ = loss.policy_loss(logp, old, adv, w, kind)
+    (full_grad,) = torch.autograd.grad(full, logp)
+    shares, grad = 0.0, torch.zeros_like(logp)
+    for sl in (slice(0, 3), slice(3, 5), slice(5, 7)):  # splits group 1 across micro-batches
+        part, _ = loss.policy_loss(logp[sl], old[sl], adv[sl], w[sl], kind)
+        shares = shares + part
+        grad += torch.autograd.grad(part, logp)[0]
+    assert abs(shares.item() - full.item()) < 1e-12
+    torch.testing.assert_close(grad, full_grad, rtol=0, atol=1e-12)
+
+
+def test_aggregation_weights_errors():
+    with pytest.raises(ValueError, match="agg must be"):
+        loss.aggregation_weights(padded_mask(LENS), GIDS, "group")
+    with pytest.raises(TypeError, match="mask must be bool"):
+        loss.aggregation_weights(padded_mask(LENS).float(), GIDS)
+    with pytest.raises(ValueError, match="need mask"):
+        loss.aggregation_weights(padded_mask(LENS), GIDS[:3])
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+def random_batch(seed, S=5, T=7, spread=0.4):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, T + 1, S)
+    w = np.where(np.arange(T)[None] < lens[:, None], rng.uniform(0.1, 1.0, (S, T)), 0.0)
+    logp = rng.normal(-1.0, 0.5, (S, T))
+    old = logp + rng.normal(0.0, spread, (S, T))
+    adv = rng.normal(0.0, 1.0, S)
+    return logp, old, adv, w
+
+
+@pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_policy_loss_matches_numpy_reference(kind, seed):
+    logp, old, adv, w = random_batch(seed, spread=0.01 if kind == "gspo" else 1.0)  # both sides of every clip
+    if kind == "gspo":
+        old[0] = logp[0] - 0.02  # one sequence far outside the gspo clip range
+    lp = torch.tensor(logp, requires_grad=True)
+    out, metrics = loss.policy_loss(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(w), kind)
+    want, want_grad = np_policy_loss(logp, old, adv, w, kind)
+    assert abs(out.item() - want) < 1e-10
+    out.backward()
+    np.testing.assert_allclose(lp.grad.numpy(), want_grad, rtol=0, atol=1e-10)
+    rho = np.exp(logp - old)[w > 0]
+    assert metrics["n_tokens"].item() == (w > 0).sum()
+    assert abs(metrics["rho_mean"].item() - rho.mean()) < 1e-5
+    assert abs(metrics["rho_min"].item() - rho.min()) < 1e-5 and abs(metrics["rho_max"].item() - rho.max()) < 1e-5
+    zero_grad_tokens = (want_grad == 0) & (w > 0) & (adv[:, None] != 0)
+    if kind != "cispo":  # PPO-style: a token is clipped exactly when its gradient is zeroed
+        assert abs(metrics["clip_frac"].item() - zero_grad_tokens.sum() / (w > 0).sum()) < 1e-6
+        assert 0 < metrics["clip_frac"].item() < 1
+    else:
+        assert abs(metrics["clip_frac"].item() - (rho > 4.0).mean()) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
+def test_padding_never_changes_loss_or_gradient(kind):
+    logp, old, adv, w = random_batch(3)
+    assert (w == 0).any()
+    lp = torch.tensor(logp, requires_grad=True)
+    ref, ref_m = loss.policy_loss(lp, torch.tensor(old), torch.tensor(adv), torch.tensor(w), kind)
+    (ref_grad,) = torch.autograd.grad(ref, lp)
+    junk = np.resize(np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 50.0]), (w == 0).sum())
+    pad = 3  # extra all-padding columns
+    for extra in (0, pad):  # garbage in the existing padding (bitwise equal), then wider padding too
+        logp_p, old_p = np.concatenate([logp, np.zeros((5, extra))], 1), np.concatenate([old, np.zeros((5, extra))], 1)
+        w_p = np.concatenate([w, np.zeros((5, extra))], 1)
+        fill = np.resize(junk, (w_p == 0).sum())
+        logp_p[w_p == 0], old_p[w_p == 0] = fill, fill[::-1]
+        lp_p = torch.tensor(logp_p, requires_grad=True)
+        out, m = loss.policy_loss(lp_p, torch.tensor(old_p), torch.tensor(adv), torch.tensor(w_p), kind)
+        (grad,) = torch.autograd.grad(out, lp_p)
+        assert (grad[torch.tensor(w_p) == 0] == 0).all()
+        if extra == 0:  # same shapes, same reduction order: exactly equal
+            assert out.item() == ref.item() and torch.equal(grad, ref_grad)
+            assert all(torch.equal(m[k], ref_m[k]) for k in ref_m)
+        else:  # a wider tensor may sum in another order: equal up to float64 rounding
+            assert abs(out.item() - ref.item()) < 1e-12
+            torch.testing.assert_close(grad[:, :-extra], ref_grad, rtol=0, atol=1e-15)
+            assert all(abs(m[k].item() - ref_m[k].item()) < 1e-6 for k in ref_m)
+
+
+def one_token(logp, old, adv, kind, weight=1.0):
+    lp = torch.tensor([[logp]], dtype=torch.float64, requires_grad=True)
+    out, m = loss.policy_loss(lp, torch.tensor([[old]], dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
+                              torch.tensor([[weight]], dtype=torch.float64), kind)
+    out.backward()
+    return out.item(), lp.grad.item(), m["clip_frac"].item()
+
+
+def test_cispo_keeps_gradient_above_the_cap_where_dapo_zeroes_it():
+    # rho = exp(0 - (-log 10)) = 10 > cap 4 and > 1 + 0.28; A = +1, weight 0.5
+    assert one_token(0.0, -math.log(10), 1.0, "cispo", 0.5)[1:] == pytest.approx((-0.5 * 4.0, 1.0))
+    assert one_token(0.0, -math.log(10), 1.0, "dapo", 0.5)[1:] == (0.0, 1.0)
+    # inside the trust region both give -w * A * rho
+    assert one_token(0.0, -math.log(1.1), 1.0, "cispo", 0.5)[1:] == pytest.approx((-0.55, 0.0))
+    assert one_token(0.0, -math.log(1.1), 1.0, "dapo", 0.5)[1:] == pytest.approx((-0.55, 0.0))
+    # CISPO has no lower bound: rho = 0.01 still weighs 0.01; loss = -w * rho * A * logp
+    assert one_token(-2.0, -2.0 + math.log(100), 1.0, "cispo") == pytest.approx((0.01 * 2.0, -0.01, 0.0))
+
+
+def test_clip_side_for_negative_advantage():
+    # A = -1, rho = 0.5 < 0.8: min(-0.5, -0.8) = -0.8 is the constant branch -> clipped, zero gradient
+    assert one_token(math.log(0.5), 0.0, -1.0, "dapo") == pytest.approx((0.8, 0.0, 1.0))
+    # A = -1, rho = 1.5 > 1.28: min(-1.5, -1.28) = -1.5 is the live branch -> gradient -A * rho = 1.5
+    assert one_token(math.log(1.5), 0.0, -1.0, "dapo") == pytest.approx((1.5, 1.5, 0.0))
+    # A = +1, rho = 0.5: min(0.5, 0.8) = 0.5 is live -> gradient -0.5
+    assert one_token(math.log(0.5), 0.0, 1.0, "grpo") == pytest.approx((-0.5, -0.5, 0.0))
+    # GSPO, one-token sequence: same sides with its own widths [1 - 3e-3, 1 + 5e-3]
+    assert one_token(math.log(0.99), 0.0, -1.0, "gspo") == pytest.approx((0.997, 0.0, 1.0))
+    assert one_token(math.log(1.01), 0.0, -1.0, "gspo") == pytest.approx((1.01, 1.01, 0.0))
+
+
+def test_gspo_sequence_ratio_ignores_padded_tokens():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 9.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.001, -2.003, -0.5, -9.0]], dtype=torch.float64)  # padded token: log ratio 18
+    w = torch.tensor([[0.25, 0.25, 0.5, 0.0]], dtype=torch.float64)
+    out, m = loss.policy_loss(logp, old, torch.tensor([2.0], dtype=torch.float64), w, "gspo")
+    s = math.exp((0.001 + 0.003 + 0.0) / 3)  # mean over the 3 valid tokens only, inside [0.997, 1.005]
+    assert out.item() == pytest.approx(-1.0 * 2.0 * s, abs=1e-12)  # sequence weight = 0.25 + 0.25 + 0.5
+    out.backward()
+    np.testing.assert_allclose(logp.grad.numpy(), [[-2 * s / 3] * 3 + [0.0]], atol=1e-12)
+    assert m["n_tokens"].item() == 3 and m["clip_frac"].item() == 0
+
+
+def test_rho_is_against_the_sampler_log_probs():
+    logp = torch.tensor([[-1.0, -3.0]], requires_grad=True)
+    sampler = torch.tensor([[-2.0, -3.5]])  # behaviour log-probs from vLLM
+    out, m = loss.policy_loss(logp, sampler, torch.tensor([1.0]), torch.tensor([[0.5, 0.5]]), "cispo")
+    rho = [math.e, math.exp(0.5)]
+    assert out.item() == pytest.approx(-0.5 * (rho[0] * -1.0 + rho[1] * -3.0), rel=1e-6)
+    assert m["rho_mean"].item() == pytest.approx(sum(rho) / 2, rel=1e-6)
+    assert m["rho_max"].item() == pytest.approx(math.e, rel=1e-6)
+    # the wrong thing -- a ratio against (a detached copy of) the current log-probs, identically 1 -- is refused
+    with pytest.raises(ValueError, match="shares memory"):
+        loss.policy_loss(logp, logp.detach(), torch.tensor([1.0]), torch.tensor([[0.5, 0.5]]))
+    with pytest.raises(ValueError, match="requires grad"):
+        loss.policy_loss(logp, logp * 1.0, torch.tensor([1.0]), torch.tensor([[0.5, 0.5]]))
+
+
+def test_policy_loss_errors():
+    lp, w, a = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2)
+    old = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        loss.policy_loss(lp, old, a, w, "ppo")
+    with pytest.raises(ValueError, match="need non-empty logp"):
+        loss.policy_loss(lp, old[:, :2], a, w)
+    with pytest.raises(ValueError, match="need non-empty logp"):
+        loss.policy_loss(lp, old, a[:1], w)
+    with pytest.raises(TypeError, match="weights must be float"):
+        loss.policy_loss(lp, old, a, w.bool())
+    with pytest.raises(ValueError, match=">= 0"):
+        loss.policy_loss(lp, old, a, -w)
+    empty, m = loss.policy_loss(lp, old, a, torch.zeros(2, 3))
+    assert empty.item() == 0 and m["n_tokens"].item() == 0 and m["rho_min"].item() == math.inf
