@@ -82,7 +82,7 @@ class Pipeline:
 
     model: a model directory (the producer thread starts `generate.Sampler.create(model, **sampler_kwargs)` in its
     own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
-    thread (borrowed: left running). prompts[pool.next()]: objects with index, prompt_ids, gold, thinking. mode
+    thread (borrowed: left running). prompts[i]: index (== i), prompt_ids, gold, thinking; i from pool.next(). mode
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
     version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
     floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
@@ -96,9 +96,10 @@ class Pipeline:
         if mode not in ("pipeline", "ppo") or max_lag < (mode == "ppo") or min(group_size, prompts_per_batch) < 1:
             raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
                              f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}")
-        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (loop is not None):
-            raise ValueError("pass as many prompts as the pool draws from, and a model directory or a running "
-                             "Sampler together with its event loop")
+        if (getattr(pool, "n_prompts", len(prompts)) != len(prompts) or any(p.index != i for i, p in enumerate(prompts))
+                or isinstance(model, str) == (loop is not None)):
+            raise ValueError("need prompts[i].index == i for the pool's n_prompts prompts (it records by index), and "
+                             "a model directory or a running Sampler together with its event loop")
         self.G, self.P, self.k, self.mode, self.gen_timeout = group_size, prompts_per_batch, max_lag, mode, gen_timeout
         self._accept_lag = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
         self.max_inflight = max_inflight or 2 * prompts_per_batch
@@ -128,7 +129,7 @@ class Pipeline:
                 self._workers = [c for p in self._engines for c in psutil.Process(p.pid).children(recursive=True)]
             else:
                 self.loop, self.sampler = loop, model
-            self._vkeys, self._vvals = [self.sampler.version], [version]  # sampler version -> trainer version
+            self._vmap = {self.sampler.version: version}  # sampler version -> trainer version
             self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
         except BaseException:
             self.close()
@@ -292,8 +293,9 @@ class Pipeline:
                     self.reward_timeout)
             if len(rewards) != self.G:
                 raise ValueError(f"reward_fn returned {len(rewards)} rewards for {self.G} completions")
-            for c in comps:
-                c.versions = self._to_trainer(c.versions)
+            for c in comps:  # sampler versions -> trainer versions (a completion holds a few distinct ones)
+                u, inv = c.versions.unique(return_inverse=True)
+                c.versions = torch.tensor([self._vmap[v] for v in u.tolist()], dtype=torch.int64)[inv]
             sampled = torch.cat([c.versions[c.mask] for c in comps])
             group = Group(prompt, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()), seq,
                           time.perf_counter() - t0)
@@ -310,13 +312,6 @@ class Pipeline:
             self._queue.append(group)
             self._cv.notify_all()
 
-    def _to_trainer(self, versions: torch.Tensor) -> torch.Tensor:  # sampler versions (T,) -> trainer versions (T,)
-        keys = torch.tensor(self._vkeys)
-        idx = torch.searchsorted(keys, versions).clamp(max=len(keys) - 1)
-        if not torch.equal(keys[idx], versions):
-            raise RuntimeError(f"tokens of sampler versions {versions.unique().tolist()}; known: {self._vkeys}")
-        return torch.tensor(self._vvals)[idx]
-
     async def _update_loop(self) -> None:
         while True:
             await self._publish_event.wait()
@@ -326,14 +321,13 @@ class Pipeline:
             if job is None:
                 continue
             # Map first: tokens of the new weights may come back before the load returns.
-            self._vkeys.append(self.sampler.version + 1)
-            self._vvals.append(job[1])
+            self._vmap[expected := self.sampler.version + 1] = job[1]
             # Shielded: a load cancelled halfway could leave the engine paused, so close() waits for it instead.
             self._loading = asyncio.ensure_future(self.sampler.update_weights(job[0]))
             self._loading.add_done_callback(lambda _, path=job[0]: self._remove(path))  # read to the end, deleted
             try:
-                if (new := await asyncio.shield(self._loading)) != self._vkeys[-1]:
-                    raise RuntimeError(f"the sampler went to version {new}, expected {self._vkeys[-1]}")
+                if (new := await asyncio.shield(self._loading)) != expected:
+                    raise RuntimeError(f"the sampler went to version {new}, expected {expected}")
             except Exception as exc:
                 return self._fail(exc, f"loading the weights of version {job[1]} from {job[0]}")
             with self._cv:

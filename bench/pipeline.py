@@ -1,6 +1,6 @@
 """Benchmark pipeline.Pipeline: trainer steps/s of PipelineRL-8 against synchronous RL (k = 0), same run.
 
-    python bench/pipeline.py                # ~3.5 min on a 2-core CPU (needs loss.py)
+    python bench/pipeline.py                # ~3.5 min on a 2-core CPU
 
 One vLLM engine (the tiny random Qwen3) serves both modes in turn, reset to the same start weights before each run;
 the trainer is a real step on a transformers copy of the model: forward, `loss.completion_logprobs` (fp32 head),

@@ -139,6 +139,11 @@ def test_bad_settings_raise():
                           max_lag=0)
     with pytest.raises(ValueError, match="model directory"):
         pipeline.Pipeline(object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_batch=1)
+    swapped = make_prompts(2)[::-1]  # prompts[0].index == 1: the pool's records would go to the wrong prompt
+    with pytest.raises(ValueError, match=r"prompts\[i\].index == i"):
+        pipeline.Pipeline("model", swapped, filters.PromptPool(2), group_size=2, prompts_per_batch=1)
+    with pytest.raises(ValueError, match="n_prompts"):
+        pipeline.Pipeline("model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_batch=1)
 
 
 # ---- (2) invariants on a real run ----
