@@ -125,28 +125,32 @@ def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warm
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    batches, losses = [], []
+    batches, losses, threads = [], [], torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 threads gain little here and are 5x slower when anything else holds a core
     model.train()
-    for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
-        if not batches:
-            seqs = sorted((warm_start_example(tokenizer, next(items), rng, slip=slip, interrupt_frac=interrupt_frac)
-                           for _ in range(4 * batch_size)), key=lambda s: len(s[0]))
-            batches = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
-            rng.shuffle(batches)
-        batch = batches.pop()
-        T = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch])  # (B, T)
-        mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
-        logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # mean over trained tokens of the batch
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    model.eval()
+    try:
+        for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
+            if not batches:
+                seqs = sorted((warm_start_example(tokenizer, next(items), rng, slip=slip, interrupt_frac=interrupt_frac)
+                               for _ in range(4 * batch_size)), key=lambda s: len(s[0]))
+                batches = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
+                rng.shuffle(batches)
+            batch = batches.pop()
+            T = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch])  # (B, T)
+            mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
+            logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # mean over trained tokens of the batch
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    finally:
+        model.eval()
+        torch.set_num_threads(threads)
     tail = losses[-max(1, steps // 10):]
     return sum(tail) / len(tail)
 
