@@ -28,8 +28,8 @@ from reward import extract_boxed
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ARITH_INSTRUCTION = "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
-ARITH_MAX_ADDS = 8  # the hardest arith item needs this many additions (lines of thinking)
-ARITH_THINK_BUDGET = (56, 72)  # thinking tokens (byte tokenizer): binds on the longest arith items only
+ARITH_MAX_ADDS = 12  # the hardest arith item needs this many additions (lines of thinking)
+ARITH_THINK_BUDGET = (88, 104)  # thinking tokens (byte tokenizer): binds on the longest arith items only
 ARITH_SIZE = 8000  # RL-pool items that load_prompts("arith") returns (train + held-out)
 PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),

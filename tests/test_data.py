@@ -122,10 +122,10 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
             x += item.add
         assert item.gold == str(x)
     sols = [data.arith_solution(item) for item in items]
-    assert reward.math_rewards(sols, [item.gold for item in items]) == [1.0] * len(items)
+    assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(items)
     wrong = [s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
              for s, i in zip(sols, items, strict=True)]
-    assert reward.math_rewards(wrong, [item.gold for item in items]) == [0.0] * len(items)
+    assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(items)
     item = data.ArithItem(start=18, add=7, limit=30)
     assert data.arith_solution(item) == "<think>\n18+7=25\n25+7=32\n</think>\n\n\\boxed{32}"
     sloppy = data.arith_solution(item, slip=1.0, rng=random.Random(0))  # every carry forgotten: 25 -> 22 -> 29 -> 26..
