@@ -104,7 +104,7 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
     greedy_pass = sum(reward.math_rewards([o.outputs[0].text for o in greedy], golds, timeout=30.0)) / len(prompts)
     print(f"tiny R0 sampled at T={TEMPERATURE}: {r0:.3f}, greedy: {greedy_pass:.3f}")
     assert 0.1 <= r0 <= 0.5
-    assert greedy_pass >= r0 + 0.15  # mostly right, unsure at a few tokens: the room RL's sharpening fills
+    assert greedy_pass >= r0 + 0.1  # mostly right, unsure at a few tokens: the room RL's sharpening fills
 
     # transformers loads the same weights: its log-probs of vLLM's greedy tokens match vLLM's own
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
