@@ -35,12 +35,12 @@ def test_tokenizer_and_template(tok):
 
 
 def test_warm_start_example_masks(tok):
-    item = data.ArithItem(start=3, add=9, limit=80)  # 9 additions: thinking longer than any budget draw
+    item = data.ArithItem(start=1, add=2, limit=30)  # 15 additions, 113 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
     text, phrase = tok.decode(ids), tiny.INTERRUPT_PHRASE
     prompt_len = ids.index(tok.convert_tokens_to_ids("<think>"))
     assert mask[:prompt_len] == [0] * prompt_len and mask[prompt_len] == 1
-    assert text.endswith(f"{phrase}\n\n\\boxed{{84}}<|im_end|>")
+    assert text.endswith(f"{phrase}\n\n\\boxed{{31}}<|im_end|>")
     completion = tok.decode(ids[prompt_len:])
     cut = completion.index(phrase) - len("<think>") + 1  # thinking tokens before the phrase: ASCII after <think>
     assert data.ARITH_THINK_BUDGET[0] <= cut <= data.ARITH_THINK_BUDGET[1]
