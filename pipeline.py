@@ -25,7 +25,6 @@ import asyncio
 import atexit
 import collections
 import contextlib
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -35,7 +34,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import psutil  # a vLLM dependency
 import torch
 
 import generate
@@ -61,7 +59,8 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
 class Group:
     """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
 
-    prompt: object  # data.Prompt: index, prompt_ids, gold, thinking
+    prompt: object  # data.Prompt: prompt_ids, gold, thinking
+    index: int  # the prompt's index in the pool (pool.next()), for PromptPool.record
     completions: list[generate.Completion]
     rewards: list[float]  # (G,)
     min_version: int  # oldest policy version of any sampled token (mask True) in the group
@@ -82,7 +81,7 @@ class Pipeline:
 
     model: a model directory (the producer thread starts `generate.Sampler.create(model, **sampler_kwargs)` in its
     own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
-    thread (borrowed: left running). prompts[i]: index (== i), prompt_ids, gold, thinking; i from pool.next(). mode
+    thread (borrowed: left running). prompts[i]: prompt_ids, gold, thinking (data.Prompt), i from pool.next(). mode
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
     version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
     floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
@@ -96,10 +95,9 @@ class Pipeline:
         if mode not in ("pipeline", "ppo") or max_lag < (mode == "ppo") or min(group_size, prompts_per_batch) < 1:
             raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
                              f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}")
-        if (getattr(pool, "n_prompts", len(prompts)) != len(prompts) or any(p.index != i for i, p in enumerate(prompts))
-                or isinstance(model, str) == (loop is not None)):
-            raise ValueError("need prompts[i].index == i for the pool's n_prompts prompts (it records by index), and "
-                             "a model directory or a running Sampler together with its event loop")
+        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (loop is not None):
+            raise ValueError("need as many prompts as the pool's n_prompts, and a model directory or a running "
+                             "Sampler together with its event loop")
         self.G, self.P, self.k, self.mode, self.gen_timeout = group_size, prompts_per_batch, max_lag, mode, gen_timeout
         self._accept_lag = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
         self.max_inflight = max_inflight or 2 * prompts_per_batch
@@ -115,18 +113,14 @@ class Pipeline:
         self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
-        self._engines, self._workers = [], []  # the owned engine's processes, its children: close() ends them
         atexit.register(self.close)
         try:
             if isinstance(model, str):
                 self.loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self.loop.run_forever, name="pipeline-producer", daemon=True)
                 self._thread.start()
-                before = multiprocessing.active_children()
                 create = generate.Sampler.create(model, **(sampler_kwargs or {}))
                 self.sampler = asyncio.run_coroutine_threadsafe(create, self.loop).result()
-                self._engines = [p for p in multiprocessing.active_children() if p not in before]
-                self._workers = [c for p in self._engines for c in psutil.Process(p.pid).children(recursive=True)]
             else:
                 self.loop, self.sampler = loop, model
             self._vmap = {self.sampler.version: version}  # sampler version -> trainer version
@@ -238,13 +232,6 @@ class Pipeline:
             if self.sampler is not None:
                 self.sampler.shutdown()
                 self._on_loop(asyncio.sleep(0.2))  # let vLLM's cancelled tasks finish before the loop stops
-            for proc in self._engines:  # vLLM's shutdown may return with them still exiting
-                proc.join(CLOSE_TIMEOUT)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(CLOSE_TIMEOUT)
-            for proc in psutil.wait_procs(self._workers, timeout=CLOSE_TIMEOUT)[1]:
-                proc.kill()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
             if not self._thread.is_alive():
@@ -261,7 +248,7 @@ class Pipeline:
             while True:
                 self._wake.clear()
                 while (seq := self._claim()) is not None:
-                    tasks.add(task := asyncio.create_task(self._group(seq, self.prompts[self.pool.next()])))
+                    tasks.add(task := asyncio.create_task(self._group(seq, self.pool.next())))
                     task.add_done_callback(tasks.discard)
                 await self._wake.wait()
         except Exception as exc:  # pool.next() or prompts[...]: data errors
@@ -283,7 +270,8 @@ class Pipeline:
             self._round_started += 1
             return seq
 
-    async def _group(self, seq: int, prompt) -> None:
+    async def _group(self, seq: int, index: int) -> None:
+        prompt = self.prompts[index]
         t0, deadline = time.perf_counter(), asyncio.timeout(self.gen_timeout)
         try:
             async with deadline:
@@ -297,10 +285,10 @@ class Pipeline:
                 u, inv = c.versions.unique(return_inverse=True)
                 c.versions = torch.tensor([self._vmap[v] for v in u.tolist()], dtype=torch.int64)[inv]
             sampled = torch.cat([c.versions[c.mask] for c in comps])
-            group = Group(prompt, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()), seq,
-                          time.perf_counter() - t0)
+            group = Group(prompt, index, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()),
+                          seq, time.perf_counter() - t0)
         except Exception as exc:
-            hang = TimeoutError(f"group {seq} (prompt {prompt.index}) was not sampled and scored within "
+            hang = TimeoutError(f"group {seq} (prompt {index}) was not sampled and scored within "
                                 f"gen_timeout={self.gen_timeout} s")  # clearer than asyncio's bare TimeoutError
             return self._fail(hang if deadline.expired() else exc, f"generating or scoring group {seq}")
         finally:
