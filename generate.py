@@ -29,11 +29,13 @@ Where it departs from the paper, and why:
 import asyncio
 import collections
 import itertools
+import multiprocessing
 import os
 import random
 import threading
 from dataclasses import dataclass
 
+import psutil  # a vLLM dependency
 import torch
 import vllm
 from vllm import SamplingParams, TokensPrompt
@@ -43,6 +45,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
 THINK_END = "</think>"
+SHUTDOWN_TIMEOUT = 20.0  # seconds shutdown() waits for each engine process before killing it
 NCCL_CHECKED_ON = "0.32"  # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 
 
@@ -61,12 +64,13 @@ class Completion:
     text: str  # the completion decoded with special tokens skipped (`</think>` is kept)
 
 
-def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = -1) -> None:
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = -1, *, greedy_ok: bool = False) -> None:
     """Raise ValueError unless this is plain temperature sampling over the full vocabulary (temperature > 0, top_p 1,
     top_k -1 or 0): top-p / top-k renormalise over the kept tokens, so the behaviour log-probs would no longer be
-    those of the policy the trainer differentiates, and the importance ratio (§3.2, CISPO) would be biased."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    those of the policy the trainer differentiates, and the importance ratio (§3.2, CISPO) would be biased.
+    greedy_ok: also accept temperature 0 (greedy decoding, for evaluation only: an argmax has no behaviour policy)."""
+    if not (temperature > 0 or greedy_ok and temperature == 0):
+        raise ValueError(f"temperature must be > 0{' (or 0, greedy)' if greedy_ok else ''}, got {temperature}")
     if top_p != 1.0 or top_k not in (-1, 0):
         raise ValueError(f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by the kept "
                          "mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)")
@@ -174,6 +178,7 @@ class Sampler:
         self.weight_transfer = weight_transfer_backend(weight_transfer, cuda=cuda)
         args = engine_args(os.path.expanduser(model), cuda=cuda, seed=seed, weight_transfer=self.weight_transfer,
                            **engine)
+        self._procs, self._workers, before = [], [], multiprocessing.active_children()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if gpus is not None:  # inherited by the engine processes spawned below
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
@@ -183,6 +188,8 @@ class Sampler:
             if gpus is not None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")
                 os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+            self._procs = [p for p in multiprocessing.active_children() if p not in before]  # shutdown() ends them
+            self._workers = [c for p in self._procs if p.is_alive() for c in psutil.Process(p.pid).children(True)]
         try:
             self.tokenizer = self.engine.get_tokenizer()
             self.max_model_len = self.engine.model_config.max_model_len
@@ -220,12 +227,13 @@ class Sampler:
         ends it. `</think>` starts an answer phase of at most `answer_budget` tokens; so does reaching L, after the
         phrase (mask 0): len(completion_ids) <= L + len(phrase) + answer_budget, one phrase at most, never after the
         model's own `</think>`. thinking=False (also for chat templates that close the think block themselves): one
-        phase of at most `answer_budget` tokens. Returns n Completions in rollout order. Raises ValueError for an
+        phase of at most `answer_budget` tokens. Returns n Completions in rollout order;
+        temperature 0 decodes greedily (evaluation only). Raises ValueError for an
         empty prompt, n < 1, bad sampling settings, thinking without a single-token `</think>`, or a prompt plus
         budgets longer than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the engine died.
         """
         temperature = self.temperature if temperature is None else temperature
-        check_sampling(temperature)
+        check_sampling(temperature, greedy_ok=True)  # temperature 0: greedy, for evaluation
         lo, hi = think_budget or self.think_budget
         answer_budget = answer_budget or self.answer_budget
         prompt_ids = [int(t) for t in prompt_ids]
@@ -293,8 +301,8 @@ class Sampler:
     async def _swap(self, load) -> int:
         """Pause (mode "keep", PipelineRL), await `load`, bump the version, resume (also if `load` fails)."""
         async with self._update_lock:
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
-            try:
+            try:  # the pause is inside: a cancellation during its RPC must still resume, or the engine stays paused
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
                 await load
                 self.version += 1
                 await self.engine.update_weight_version(str(self.version))  # labels tokens from the next step on
@@ -324,10 +332,20 @@ class Sampler:
                 "gen/truncation_rate": counts["truncated"] / n}
 
     def shutdown(self) -> None:
-        """Stop the engine and its processes (idempotent; safe from any thread)."""
+        """Stop the engine and wait for its processes to end (idempotent; safe from any thread). vLLM's own shutdown
+        can return while its engine-core process is still exiting; what is alive after SHUTDOWN_TIMEOUT s is killed,
+        so no process outlives this call."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        for proc in self._procs:  # our children: join them, so multiprocessing reaps them
+            proc.join(SHUTDOWN_TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(SHUTDOWN_TIMEOUT)
+        for proc in psutil.wait_procs(self._workers, timeout=SHUTDOWN_TIMEOUT)[1]:  # their children (vLLM workers)
+            proc.kill()
+        self._procs, self._workers = [], []
 
 
 class _SyncClient:

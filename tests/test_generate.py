@@ -94,6 +94,7 @@ def test_check_sampling_rejects_truncated_sampling():
             generate.check_sampling(1.0, **kwargs)
     with pytest.raises(ValueError, match="temperature"):
         generate.check_sampling(0.0)
+    generate.check_sampling(0.0, greedy_ok=True)  # greedy evaluation
     with pytest.raises(ValueError, match="top_p"):  # before any engine starts
         generate.Sampler("/nonexistent/model", top_p=0.9)
 
@@ -229,6 +230,18 @@ def test_without_thinking_one_phase_one_budget(vllm_engine, tmp_path):
     for c in run(s.generate(PROMPT, n=4, thinking=False, think_budget=(3, 4), answer_budget=11)):
         assert len(c.completion_ids) == 11 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
         assert c.truncated and not c.interrupted and c.finish_reason == "length"
+
+
+@pytest.mark.vllm
+def test_greedy_evaluation_is_deterministic(vllm_engine):
+    s, run = vllm_engine.sampler, vllm_engine.run
+    run(s.update_weights(vllm_engine.model_dir))  # random weights: sampled rollouts differ, greedy ones cannot
+    first = run(s.generate(PROMPT, n=3, temperature=0.0, think_budget=(12, 15), answer_budget=9))
+    again = run(s.generate(PROMPT, n=1, temperature=0.0, think_budget=(15, 15), answer_budget=9))
+    sampled = run(s.generate(PROMPT, n=3, think_budget=(15, 15), answer_budget=9))
+    think = [c.completion_ids[:12] for c in first + again]  # the shortest budget: the first 12 tokens of each
+    assert all(t == think[0] for t in think)
+    assert len({tuple(c.completion_ids[:12]) for c in sampled}) > 1
 
 
 @pytest.mark.vllm

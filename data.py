@@ -1,0 +1,265 @@
+"""Prompts for RL: datasets by preset, local file or hub id; column mapping; chat templates; the held-out split;
+and `arith`, the synthetic task the embedded tiny model learns.
+
+Paper: §2.1 and A.5 (a fixed set of 1,000 held-out prompts gives the validation curve that the sigmoid is fitted
+to), A.3 (Polaris-53K; the model writes <think>...</think>, then the answer is checked). Exercised by
+`python -m pytest tests/test_data.py` and by every `python train.py` (`--data`, `--eval-size`).
+
+Where this departs from the paper, and why:
+1. The paper gives no prompt format. A prompt is the tokenizer's own chat template around one user turn: the
+   question, a newline, and an instruction to box the final answer (the Qwen / DeepSeek math convention).
+2. Rows that repeat a question are dropped (counted), so the held-out split cannot share a question with training.
+3. `arith` stands in for Polaris on a CPU: "Add 7 to 18 until it exceeds 50." with one line of thinking per
+   addition ("18+7=25"), so thinking length grows with the number of additions and a small interruption budget
+   (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the question into an SFT pool
+   (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is ever trained on.
+"""
+
+import json
+import os
+import random
+import re
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from reward import extract_boxed
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+ARITH_INSTRUCTION = "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
+ARITH_MAX_ADDS = 12  # the hardest arith item needs this many additions (lines of thinking)
+ARITH_THINK_BUDGET = (88, 104)  # thinking tokens (byte tokenizer): binds on the longest arith items only
+ARITH_SIZE = 8000  # RL-pool items that load_prompts("arith") returns (train + held-out)
+PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
+    "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
+    "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
+    "math500": dict(path="HuggingFaceH4/MATH-500", split="test"),
+}
+QUESTION_KEYS = ("question", "problem", "prompt")
+ANSWER_KEYS = ("final_answer", "answer", "solution")  # cleanest first: MATH-500 rows carry both answer and solution
+SPLIT_FILE = "heldout.json"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One RL prompt. `prompt_ids` are the templated tokens, produced once here and never re-tokenized."""
+
+    index: int  # position among the valid rows of the source: the stable id the held-out split saves
+    question: str
+    gold: str  # normalised gold answer, the first argument of reward.math_reward
+    prompt_ids: tuple[int, ...]
+    thinking: bool  # the model writes <think>...</think> before its answer
+
+
+# ---- arith -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArithItem:
+    """Add `add` to `start` until the total exceeds `limit`; the answer is that first total above `limit`."""
+
+    start: int
+    add: int
+    limit: int
+
+    @property
+    def question(self) -> str:
+        return f"Add {self.add} to {self.start} until it exceeds {self.limit}."
+
+    @property
+    def n_adds(self) -> int:
+        """Difficulty: the number of additions, which is also the number of lines of thinking."""
+        return (self.limit - self.start) // self.add + 1
+
+    @property
+    def gold(self) -> str:
+        return str(self.start + self.n_adds * self.add)
+
+
+def arith_items(seed: int, pool: str = "rl", max_adds: int = ARITH_MAX_ADDS) -> Iterator[ArithItem]:
+    """Infinite seeded stream of arith items with 1..max_adds additions (uniform), addends 2..9, totals < 100.
+
+    pool: "rl" (train.py's prompts and held-out) or "sft" (tiny.py's warm start); an item's pool is fixed by the
+    CRC32 of its question, so the two never share an item. Items repeat (the space is ~10k per pool); load_prompts
+    drops repeats. Raises ValueError for an unknown pool."""
+    if pool not in ("rl", "sft"):
+        raise ValueError(f"arith pool must be 'rl' or 'sft', got {pool!r}")
+    rng = random.Random(seed)
+    while True:
+        n, add = rng.randint(1, max_adds), rng.randint(2, 9)
+        if n * add > 98:
+            continue
+        start = rng.randint(1, 99 - n * add)
+        item = ArithItem(start, add, rng.randint(start + (n - 1) * add, start + n * add - 1))
+        if (zlib.crc32(item.question.encode()) & 1) == (pool == "rl"):
+            yield item
+
+
+def arith_solution(item: ArithItem, *, slip: float = 0.0, rng: random.Random | None = None) -> str:
+    """The worked solution, from `<think>` to the box: "<think>\\n18+7=25\\n25+7=32\\n</think>\\n\\n\\boxed{32}".
+
+    slip > 0 writes a sloppy teacher's trace (tiny.py's warm start only): at each addition that carries into the
+    tens, the carry is forgotten with probability `slip` (18+7=15) and the chain goes on from the wrong total, so the
+    boxed answer is wrong. The student then learns to be unsure exactly at the carries, which RL can fix."""
+    x, lines = item.start, []
+    while x <= item.limit and len(lines) < 4 * ARITH_MAX_ADDS:  # a sloppy chain can fall back; cap its length
+        y = x + item.add
+        if slip and y // 10 != x // 10 and rng.random() < slip:
+            y -= 10
+        lines.append(f"{x}+{item.add}={y}\n")
+        x = y
+    return "<think>\n" + "".join(lines) + f"</think>\n\n\\boxed{{{x}}}"
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------
+
+def normalize_gold(answer: str) -> str:
+    """Gold answer text: after GSM8K's last "####" ("...#### 1,234" -> "1234"), else the last \\boxed{} of a
+    solution, else the text itself; stripped, thousands separators dropped from plain numbers. "" when nothing
+    usable remains (an empty or unclosed box), which the caller counts as a bad row."""
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    elif "\\boxed" in answer:
+        answer = extract_boxed(answer) or ""
+    answer = answer.strip()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):
+        answer = answer.replace(",", "")
+    return answer
+
+
+def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
+    """Raw rows of `source`: "arith", a preset name, a local .jsonl/.json/.parquet file, or a hub id.
+
+    A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). Raises ValueError for
+    an unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing local path."""
+    if source == "arith":
+        rows, seen, stream = [], set(), arith_items(seed, "rl")
+        while len(rows) < size:  # unique items, so load_prompts drops no repeats and returns exactly `size`
+            item = next(stream)
+            if item not in seen:
+                seen.add(item)
+                rows.append({"question": item.question, "answer": item.gold})
+        return rows
+    ext = os.path.splitext(source)[1].lower()
+    if source in PRESETS or not (os.path.exists(source) or ext or source.startswith((".", "/", "~"))):
+        import datasets  # the hub: only where it is reachable, never in tests
+
+        return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"data file not found: {source}")
+    if ext == ".jsonl":
+        with open(source) as f:
+            return [_json_or_text(line) for line in f if line.strip()]
+    if ext == ".json":
+        with open(source) as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise ValueError(f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}")
+        return rows
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(source).to_pylist()
+    raise ValueError(f"{source}: unknown data format {ext!r} (use .jsonl, .json, .parquet, a preset "
+                     f"{sorted(PRESETS) + ['arith']} or a hub id)")
+
+
+def _json_or_text(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return line
+
+
+def build_prompts(rows: list, tokenizer, *, thinking: bool, max_prompt_len: int, question_key: str | None = None,
+                  answer_key: str | None = None, instruction: str = INSTRUCTION) -> tuple[list["Prompt"], Counter]:
+    """Validate `rows`, map columns, normalise golds, template and tokenize; returns (prompts, skipped-by-reason).
+
+    Column names: `question_key` / `answer_key` if given, else the first of QUESTION_KEYS / ANSWER_KEYS that any
+    row has. A row is skipped, and counted under its reason, when it is not an object, misses the question or the
+    answer, holds a non-string there (a number answer is taken as its text), is empty after normalisation, repeats an
+    earlier question, or templates to more than `max_prompt_len` tokens. Never raises on a bad row."""
+    keys = {k for r in rows if isinstance(r, dict) for k in r}
+    q_key = question_key or next((k for k in QUESTION_KEYS if k in keys), QUESTION_KEYS[0])
+    a_key = answer_key or next((k for k in ANSWER_KEYS if k in keys), ANSWER_KEYS[0])
+    skipped, seen, valid = Counter(), set(), []
+    for row in rows:
+        if not isinstance(row, dict):
+            skipped["not a JSON object"] += 1
+            continue
+        q, a = row.get(q_key), row.get(a_key)
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            a = str(a)
+        if q is None or a is None:
+            skipped[f"missing {q_key if q is None else a_key}"] += 1
+        elif not isinstance(q, str) or not isinstance(a, str):
+            skipped[f"{q_key if not isinstance(q, str) else a_key} not a string"] += 1
+        elif not q.strip() or not normalize_gold(a):
+            skipped[f"empty {q_key if not q.strip() else a_key}"] += 1
+        elif q in seen:
+            skipped["duplicate question"] += 1
+        else:
+            seen.add(q)
+            valid.append((q, normalize_gold(a)))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],
+                                           tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+             for q, _ in valid]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # the template holds the specials
+    prompts = []
+    for (q, gold), p in zip(valid, ids, strict=True):
+        if len(p) > max_prompt_len:
+            skipped["prompt too long"] += 1
+        else:
+            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking))
+    return prompts, skipped
+
+
+def load_prompts(source: str, tokenizer, *, thinking: bool, max_prompt_len: int, question_key: str | None = None,
+                 answer_key: str | None = None, instruction: str | None = None, size: int = ARITH_SIZE,
+                 seed: int = 0) -> list[Prompt]:
+    """Prompts from `source` ("arith", a preset, a .jsonl/.json/.parquet path, or a hub id), every row validated.
+
+    Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
+    ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
+    naming the source and the reasons when no valid row remains (and see read_rows)."""
+    if instruction is None:
+        instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
+    rows = read_rows(source, size=size, seed=seed)
+    prompts, skipped = build_prompts(rows, tokenizer, thinking=thinking, max_prompt_len=max_prompt_len,
+                                     question_key=question_key, answer_key=answer_key, instruction=instruction)
+    reasons = ", ".join(f"{n} {why}" for why, n in skipped.most_common()) or "none"
+    if not prompts:
+        raise ValueError(f"{source}: no valid rows out of {len(rows)} (skipped: {reasons}); see --question-key / "
+                         f"--answer-key and --max-prompt-len")
+    print(f"data: {len(prompts)} prompts from {source} (skipped: {reasons})")
+    return prompts
+
+
+# ---- held-out split --------------------------------------------------------------------------------------------
+
+def split_heldout(prompts: list[Prompt], eval_size: int, *, seed: int, run_dir: str | None = None
+                  ) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, heldout): `eval_size` prompts chosen at random by `seed` and removed from training (paper A.5: 1,000).
+
+    With `run_dir`, the split is saved there (heldout.json: indices and a fingerprint of the questions) and, when
+    that file already exists (a resumed run), restored from it instead of drawn. Raises ValueError when eval_size
+    leaves no training prompt, or when the saved split belongs to a different dataset."""
+    if not 0 <= eval_size < len(prompts):
+        raise ValueError(f"eval_size={eval_size} must be in [0, {len(prompts)}) for {len(prompts)} prompts")
+    fingerprint = zlib.crc32("\0".join(p.question for p in prompts).encode())
+    path = os.path.join(run_dir, SPLIT_FILE) if run_dir else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["fingerprint"] != fingerprint or saved["n_prompts"] != len(prompts):
+            raise ValueError(f"{path} was saved for a different dataset ({saved['n_prompts']} prompts); resume with "
+                             f"the same --data, or start a new run directory")
+        held = set(saved["heldout"])
+    else:
+        held = set(random.Random(seed).sample(range(len(prompts)), eval_size))
+        if path:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(dict(seed=seed, n_prompts=len(prompts), fingerprint=fingerprint, heldout=sorted(held)), f)
+            os.replace(path + ".tmp", path)  # never a half-written split
+    return [p for p in prompts if p.index not in held], [p for p in prompts if p.index in held]

@@ -1,0 +1,379 @@
+"""Rollouts to scored groups to batches: a producer thread and asynchronous RL with bounded off-policyness k.
+
+PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
+asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
+them with `reward.math_rewards` in a thread and queues them; the trainer takes batches of P groups, publishes weights
+(loaded in flight) and evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
+
+    with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8) as pipe:
+        batch = pipe.get_batch(v)  # ...train...; then save to pipe.weights_dir(v + 1) and pipe.publish(that_dir, v + 1)
+
+A group consumed at trainer version t has lag t - min_version, the oldest policy version of any of its sampled tokens
+(queue time counts); it is accepted iff lag <= k. Where this departs from the paper, and why:
+1. "Trainers wait if k steps ahead" is enforced by the producer (`may_start`): a group starts only if, counting the
+   groups ahead of it, it will be consumed with lag <= k, so k = 0 is synchronous on-policy RL exactly. A group
+   overtaken by later ones (it finished late) can still exceed k: it is dropped and counted (`gen/dropped_stale`).
+2. Versions are the trainer's (`publish`'s numbers); forced phrase tokens (mask 0) do not count towards the lag.
+3. Publishes coalesce: if several arrive while one loads, only the newest loads (weights are whole snapshots).
+4. PPO-off-policy-k: k·P groups per frozen weight version, k batches per version (lags 0..k-1); a batch may be
+   consumed before the round's other groups finish (same data); weights published mid-round wait for the round's
+   end, so `evaluate` then sees the round's weights (it reports `eval/version`).
+5. Producer idle time is time with no group in flight: the sampler's idle time, which PipelineRL reduces.
+"""
+
+import asyncio
+import atexit
+import collections
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+import generate
+import reward
+
+CLOSE_TIMEOUT = 20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
+
+
+def accept(version: int, min_version: int, max_lag: int) -> bool:
+    """True iff a group whose oldest sampled token is from policy `min_version` may be trained on at trainer
+    version `version`: lag = version - min_version <= max_lag (§3.1, A.11). Time spent queued counts."""
+    return version - min_version <= max_lag
+
+
+def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bool:
+    """PipelineRL throttle: may a group start now? t_next: trainer version at its next consumption; outstanding:
+    groups started, not yet consumed or dropped; v: the sampler's weight version. The new group will be consumed
+    about `outstanding // P` batches after t_next, and its tokens come from versions >= v."""
+    return t_next + outstanding // P - v <= max_lag
+
+
+@dataclass
+class Group:
+    """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
+
+    prompt: object  # data.Prompt: prompt_ids, gold, thinking
+    index: int  # the prompt's index in the pool (pool.next()), for PromptPool.record
+    completions: list[generate.Completion]
+    rewards: list[float]  # (G,)
+    min_version: int  # oldest policy version of any sampled token (mask True) in the group
+    max_version: int  # newest one
+    seq: int  # start order over the pipeline's life
+    gen_s: float  # seconds from start to scored
+
+
+@dataclass
+class Batch:
+    groups: list[Group]  # P groups, in the order they finished
+    version: int  # trainer version the batch was consumed at
+    metrics: dict[str, float]  # see Pipeline.get_batch
+
+
+class Pipeline:
+    """Producer thread + sampler + queue for the trainer's main thread (§3.1); use it as a context manager.
+
+    model: a model directory (the producer thread starts `generate.Sampler.create(model, **sampler_kwargs)` in its
+    own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
+    thread (borrowed: left running). prompts[i]: prompt_ids, gold, thinking (data.Prompt), i from pool.next(). mode
+    "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
+    version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
+    floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
+    version: trainer version of the start weights. Raises ValueError on bad settings, the sampler's start errors.
+    """
+
+    def __init__(self, model, prompts, pool, *, group_size: int, prompts_per_batch: int, max_lag: int = 8,
+                 mode: str = "pipeline", max_inflight: int | None = None, sampler_kwargs: dict | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None, reward_fn=reward.math_rewards,
+                 reward_timeout: float = 5.0, gen_timeout: float = 3600.0, version: int = 0):
+        if mode not in ("pipeline", "ppo") or max_lag < (mode == "ppo") or min(group_size, prompts_per_batch) < 1:
+            raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
+                             f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}")
+        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (loop is not None):
+            raise ValueError("need as many prompts as the pool's n_prompts, and a model directory or a running "
+                             "Sampler together with its event loop")
+        self.G, self.P, self.k, self.mode, self.gen_timeout = group_size, prompts_per_batch, max_lag, mode, gen_timeout
+        self._accept_lag = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
+        self.max_inflight = max_inflight or 2 * prompts_per_batch
+        self.prompts, self.pool, self.reward_fn, self.reward_timeout = prompts, pool, reward_fn, reward_timeout
+        self._cv = threading.Condition()  # guards the state both threads touch
+        self._queue: collections.deque[Group] = collections.deque()
+        self._error, self._closed, self._pending = None, False, None  # _pending: newest published (dir, version)
+        self._t_next = self._published = self._released = self._applied = version
+        self._outstanding = self._started = self._round_started = self._round_consumed = self.dropped = 0
+        self._inflight: dict[int, float] = {}  # seq -> start time
+        self._idle_s, self._idle_since = 0.0, time.perf_counter()
+        self._wake, self._publish_event = asyncio.Event(), asyncio.Event()  # bound to the loop at first wait
+        self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
+        self._thread = self._task = self._producer = self._loading = self.sampler = None
+        atexit.register(self.close)
+        try:
+            if isinstance(model, str):
+                self.loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self.loop.run_forever, name="pipeline-producer", daemon=True)
+                self._thread.start()
+                create = generate.Sampler.create(model, **(sampler_kwargs or {}))
+                self.sampler = asyncio.run_coroutine_threadsafe(create, self.loop).result()
+            else:
+                self.loop, self.sampler = loop, model
+            self._vmap = {self.sampler.version: version}  # sampler version -> trainer version
+            self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def get_batch(self, version: int, timeout: float | None = None) -> Batch:
+        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped and counted. Waits in
+        0.5 s slices. Raises the producer's exception (sampler, reward, data; its traceback and a note) once stored,
+        TimeoutError after `timeout` s saying what the producer is doing, RuntimeError once closed. metrics:
+        train/lag_min|mean|max, gen/queue_depth (left queued), gen/inflight, gen/dropped_stale, gen/tokens,
+        gen/interrupt_rate, gen/truncation_rate, gen/reward_mean|std, time/trainer_wait_s, time/producer_idle_s
+        (no group in flight, since the last batch), time/group_gen_s (mean seconds to sample and score a group)."""
+        t0, dropped = time.perf_counter(), 0
+        with self._cv:
+            self._t_next = max(self._t_next, version)
+            while True:
+                self._check()
+                for g in [g for g in self._queue if not accept(version, g.min_version, self._accept_lag)]:
+                    self._queue.remove(g)
+                    self._outstanding, dropped, self.dropped = self._outstanding - 1, dropped + 1, self.dropped + 1
+                    self._poke(self._wake)
+                if len(self._queue) >= self.P:
+                    break
+                left = None if timeout is None else t0 + timeout - time.perf_counter()
+                if left is not None and left <= 0:
+                    raise TimeoutError(self._describe(version, timeout))
+                self._cv.wait(0.5 if left is None else min(0.5, left))
+            groups = [self._queue.popleft() for _ in range(self.P)]
+            self._outstanding -= self.P
+            self._t_next, self._round_consumed = max(self._t_next, version + 1), self._round_consumed + 1
+            now = time.perf_counter()
+            idle = self._idle_s + (0.0 if self._inflight else now - self._idle_since)
+            self._idle_s, self._idle_since = 0.0, now
+            queued, inflight = len(self._queue), len(self._inflight)
+        self._poke(self._wake)
+        lags, comps = [version - g.min_version for g in groups], [c for g in groups for c in g.completions]
+        rewards, mean = [r for g in groups for r in g.rewards], statistics.fmean
+        return Batch(groups, version, {
+            "train/lag_min": min(lags), "train/lag_mean": mean(lags), "train/lag_max": max(lags),
+            "gen/queue_depth": queued, "gen/inflight": inflight, "gen/dropped_stale": dropped,
+            "gen/tokens": sum(len(c.completion_ids) for c in comps),
+            "gen/interrupt_rate": mean(c.interrupted for c in comps),
+            "gen/truncation_rate": mean(c.truncated for c in comps),
+            "gen/reward_mean": mean(rewards), "gen/reward_std": statistics.pstdev(rewards),
+            "time/trainer_wait_s": now - t0, "time/producer_idle_s": idle,
+            "time/group_gen_s": mean(g.gen_s for g in groups)})
+
+    def weights_dir(self, version: int) -> str:
+        """A fresh directory (on /dev/shm if there is one) to save a version into for `publish`; the pipeline
+        deletes it once loaded or superseded, so vLLM never reads a directory that is being written."""
+        return tempfile.mkdtemp(prefix=f"v{version}_", dir=self._root)
+
+    def publish(self, weights_dir: str, version: int) -> None:
+        """Hand the sampler trainer version `version` (a safetensors directory) and return: PipelineRL loads it in
+        flight (§3.1); PPO-off-policy-k holds it until the round's k batches are consumed. A directory from
+        `weights_dir()` is deleted once loaded or superseded; others are left alone. Raises ValueError unless
+        `version` exceeds every earlier one; the producer's exception if it failed; RuntimeError once closed."""
+        with self._cv:
+            self._check()
+            if version <= self._published:
+                raise ValueError(f"version {version} must exceed the last published one, {self._published}")
+            old, self._pending, self._published = self._pending, (os.fspath(weights_dir), version), version
+            self._t_next = max(self._t_next, version)
+            if release := self.mode == "pipeline" or self._round_consumed >= self.k:
+                self._released, self._round_consumed = version, 0
+        if old:
+            self._remove(old[0])
+        if release:
+            self._poke(self._publish_event)
+
+    def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None):
+        """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
+        metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
+        eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
+        interrupted, truncated, version). No greedy pass: generate.check_sampling rejects temperature 0 (vLLM turns
+        anything below 0.01 into 0.01). Raises the sampler's or reward's errors, TimeoutError after `timeout` s."""
+        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature), self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
+        join the thread, end the engine's processes and idle reward workers, delete weight directories. Idempotent;
+        each wait is bounded by CLOSE_TIMEOUT, so it returns whatever state the producer is in."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        atexit.unregister(self.close)
+        if self._producer is not None:
+            self._on_loop(self._stop())
+        waiter = threading.Thread(target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+        waiter.start()  # running reward calls hold workers that reward.close() would leave alive
+        waiter.join(CLOSE_TIMEOUT)
+        if self._thread is not None:
+            if self.sampler is not None:
+                self.sampler.shutdown()
+                self._on_loop(asyncio.sleep(0.2))  # let vLLM's cancelled tasks finish before the loop stops
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(CLOSE_TIMEOUT)
+            if not self._thread.is_alive():
+                self.loop.close()
+        reward.close()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    async def _produce(self) -> None:
+        self._task, tasks = asyncio.current_task(), set()
+        with self._cv:
+            self._idle_since = time.perf_counter()  # engine start is not idle time
+        updater = asyncio.create_task(self._update_loop())
+        try:
+            while True:
+                self._wake.clear()
+                while (seq := self._claim()) is not None:
+                    tasks.add(task := asyncio.create_task(self._group(seq, self.pool.next())))
+                    task.add_done_callback(tasks.discard)
+                await self._wake.wait()
+        except Exception as exc:  # pool.next() or prompts[...]: data errors
+            self._fail(exc, "drawing a prompt")
+        finally:
+            for task in [*tasks, updater]:
+                task.cancel()  # vLLM aborts a cancelled request
+            await asyncio.gather(*tasks, updater, return_exceptions=True)
+
+    def _claim(self) -> int | None:  # the start order of a group that may start now (counted as started), or None
+        with self._cv:
+            if (self._error or self._closed or len(self._inflight) >= self.max_inflight or not (
+                    self._round_started < self.k * self.P if self.mode == "ppo"  # k batches per weight version
+                    else may_start(self._t_next, self._outstanding, self.P, self._applied, self.k))):
+                return None
+            seq, now = self._started, time.perf_counter()
+            self._idle_s += 0.0 if self._inflight else now - self._idle_since
+            self._inflight[seq], self._started, self._outstanding = now, seq + 1, self._outstanding + 1
+            self._round_started += 1
+            return seq
+
+    async def _group(self, seq: int, index: int) -> None:
+        prompt = self.prompts[index]
+        t0, deadline = time.perf_counter(), asyncio.timeout(self.gen_timeout)
+        try:
+            async with deadline:
+                comps = await self.sampler.generate(prompt.prompt_ids, n=self.G, thinking=prompt.thinking)
+                rewards = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.reward_fn, [c.text for c in comps], [prompt.gold] * self.G, prompt.thinking,
+                    self.reward_timeout)
+            if len(rewards) != self.G:
+                raise ValueError(f"reward_fn returned {len(rewards)} rewards for {self.G} completions")
+            for c in comps:  # sampler versions -> trainer versions (a completion holds a few distinct ones)
+                u, inv = c.versions.unique(return_inverse=True)
+                c.versions = torch.tensor([self._vmap[v] for v in u.tolist()], dtype=torch.int64)[inv]
+            sampled = torch.cat([c.versions[c.mask] for c in comps])
+            group = Group(prompt, index, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()),
+                          seq, time.perf_counter() - t0)
+        except Exception as exc:
+            hang = TimeoutError(f"group {seq} (prompt {index}) was not sampled and scored within "
+                                f"gen_timeout={self.gen_timeout} s")  # clearer than asyncio's bare TimeoutError
+            return self._fail(hang if deadline.expired() else exc, f"generating or scoring group {seq}")
+        finally:
+            with self._cv:
+                del self._inflight[seq]
+                self._idle_since = self._idle_since if self._inflight else time.perf_counter()
+            self._wake.set()
+        with self._cv:
+            self._queue.append(group)
+            self._cv.notify_all()
+
+    async def _update_loop(self) -> None:
+        while True:
+            await self._publish_event.wait()
+            self._publish_event.clear()
+            with self._cv:
+                job, self._pending = self._pending, None
+            if job is None:
+                continue
+            # Map first: tokens of the new weights may come back before the load returns.
+            self._vmap[expected := self.sampler.version + 1] = job[1]
+            # Shielded: a load cancelled halfway could leave the engine paused, so close() waits for it instead.
+            self._loading = asyncio.ensure_future(self.sampler.update_weights(job[0]))
+            self._loading.add_done_callback(lambda _, path=job[0]: self._remove(path))  # read to the end, deleted
+            try:
+                if (new := await asyncio.shield(self._loading)) != expected:
+                    raise RuntimeError(f"the sampler went to version {new}, expected {expected}")
+            except Exception as exc:
+                return self._fail(exc, f"loading the weights of version {job[1]} from {job[0]}")
+            with self._cv:
+                self._applied, self._round_started = job[1], 0 if self.mode == "ppo" else self._round_started
+                self._cv.notify_all()
+            self._wake.set()
+
+    async def _evaluate(self, prompts, n, temperature):
+        while self._applied < self._released:
+            with self._cv:
+                self._check()
+            await asyncio.sleep(0.05)
+        version, loop = self._applied, asyncio.get_running_loop()
+        groups = await asyncio.gather(*[self.sampler.generate(p.prompt_ids, n=n, thinking=p.thinking,
+                                                              temperature=temperature) for p in prompts])
+        rewards = await asyncio.gather(*[loop.run_in_executor(self._executor, self.reward_fn, [c.text for c in g],
+                                                              [p.gold] * n, p.thinking, self.reward_timeout)
+                                         for p, g in zip(prompts, groups, strict=True)])
+        records = [{"index": p.index, "sample": j, "text": c.text, "gold": p.gold, "reward": float(rs[j]),
+                    "tokens": len(c.completion_ids), "interrupted": c.interrupted, "truncated": c.truncated,
+                    "version": version} for p, g, rs in zip(prompts, groups, rewards, strict=True)
+                   for j, c in enumerate(g)]
+        mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
+        return {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"), "eval/version": version,
+                "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted")}, records
+
+    async def _stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, *[self._loading] if self._loading else [], return_exceptions=True)
+
+    def _on_loop(self, coro) -> None:  # for close(): a stuck loop must not keep it from shutting the rest down
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(coro, self.loop).result(CLOSE_TIMEOUT)
+
+    def _check(self) -> None:  # with self._cv held
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+
+    def _fail(self, exc: BaseException, doing: str) -> None:
+        exc.add_note(f"raised in the pipeline's producer thread while {doing}")
+        with self._cv:
+            self._error = self._error or exc
+            self._cv.notify_all()
+
+    def _poke(self, event: asyncio.Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to wake
+            self.loop.call_soon_threadsafe(event.set)
+
+    def _remove(self, path: str) -> None:
+        if os.path.dirname(os.path.abspath(path)) == self._root:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _describe(self, version: int, timeout: float) -> str:  # with self._cv held
+        oldest = time.perf_counter() - min(self._inflight.values(), default=time.perf_counter())
+        doing = (f"generating {len(self._inflight)} groups, the oldest for {oldest:.1f} s" if self._inflight
+                 else f"loading the weights of version {self._released}" if self._applied < self._released
+                 else f"throttled (mode {self.mode}, k={self.k}): waiting for newer weights to be published")
+        return (f"no batch of {self.P} groups for trainer version {version} within {timeout} s: {len(self._queue)} "
+                f"queued, sampler at version {self._applied}, last published {self._published}; producer: {doing}")

