@@ -9,10 +9,12 @@ Where this departs from the paper, and why:
 1. The paper gives no prompt format. A prompt is the tokenizer's own chat template around one user turn: the
    question, a newline, and an instruction to box the final answer (the Qwen / DeepSeek math convention).
 2. Rows that repeat a question are dropped (counted), so the held-out split cannot share a question with training.
-3. `arith` stands in for Polaris on a CPU: "Add 7 to 18 until it exceeds 50." with one line of thinking per
-   addition ("18+7=25"), so thinking length grows with the number of additions and a small interruption budget
-   (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the question into an SFT pool
-   (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is ever trained on.
+3. `arith` stands in for Polaris on a CPU: "Add 7 to 18, 3 times." with one line of thinking per addition, each
+   opened by a countdown ("3:18+7=25"), so every step, the stop included, is a local decision a 0.4M-parameter
+   model learns in a two-minute warm start; thinking length grows with the number of additions and a small
+   interruption budget (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the
+   question into an SFT pool (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is
+   ever trained on.
 """
 
 import json
@@ -28,8 +30,8 @@ from reward import extract_boxed
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ARITH_INSTRUCTION = "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
-ARITH_MAX_ADDS = 12  # the hardest arith item needs this many additions (lines of thinking)
-ARITH_THINK_BUDGET = (88, 104)  # thinking tokens (byte tokenizer): binds on the longest arith items only
+ARITH_MAX_ADDS = 9  # the hardest arith item needs this many additions (lines of thinking)
+ARITH_THINK_BUDGET = (80, 94)  # thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73
 ARITH_SIZE = 8000  # RL-pool items that load_prompts("arith") returns (train + held-out)
 PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
@@ -56,28 +58,23 @@ class Prompt:
 
 @dataclass(frozen=True)
 class ArithItem:
-    """Add `add` to `start` until the total exceeds `limit`; the answer is that first total above `limit`."""
+    """Add `add` to `start`, `times` times; the answer is start + times * add."""
 
     start: int
     add: int
-    limit: int
+    times: int
 
     @property
     def question(self) -> str:
-        return f"Add {self.add} to {self.start} until it exceeds {self.limit}."
-
-    @property
-    def n_adds(self) -> int:
-        """Difficulty: the number of additions, which is also the number of lines of thinking."""
-        return (self.limit - self.start) // self.add + 1
+        return f"Add {self.add} to {self.start}, {self.times} times."
 
     @property
     def gold(self) -> str:
-        return str(self.start + self.n_adds * self.add)
+        return str(self.start + self.times * self.add)
 
 
 def arith_items(seed: int, pool: str = "rl", max_adds: int = ARITH_MAX_ADDS) -> Iterator[ArithItem]:
-    """Infinite seeded stream of arith items with 1..max_adds additions (uniform), addends 2..9, totals < 100.
+    """Infinite seeded stream of arith items with 1..max_adds additions (uniform), addends 2..9, totals <= 99.
 
     pool: "rl" (train.py's prompts and held-out) or "sft" (tiny.py's warm start); an item's pool is fixed by the
     CRC32 of its question, so the two never share an item. Items repeat (the space is ~10k per pool); load_prompts
@@ -89,24 +86,24 @@ def arith_items(seed: int, pool: str = "rl", max_adds: int = ARITH_MAX_ADDS) -> 
         n, add = rng.randint(1, max_adds), rng.randint(2, 9)
         if n * add > 98:
             continue
-        start = rng.randint(1, 99 - n * add)
-        item = ArithItem(start, add, rng.randint(start + (n - 1) * add, start + n * add - 1))
+        item = ArithItem(rng.randint(1, 99 - n * add), add, n)
         if (zlib.crc32(item.question.encode()) & 1) == (pool == "rl"):
             yield item
 
 
 def arith_solution(item: ArithItem, *, slip: float = 0.0, rng: random.Random | None = None) -> str:
-    """The worked solution, from `<think>` to the box: "<think>\\n18+7=25\\n25+7=32\\n</think>\\n\\n\\boxed{32}".
+    """The worked solution, from `<think>` to the box: "<think>\\n2:18+7=25\\n1:25+7=32\\n</think>\\n\\n\\boxed{32}".
+    Each line opens with how many additions are left, so the stop after line "1:" is a local decision.
 
     slip > 0 writes a sloppy teacher's trace (tiny.py's warm start only): at each addition that carries into the
     tens, the carry is forgotten with probability `slip` (18+7=15) and the chain goes on from the wrong total, so the
     boxed answer is wrong. The student then learns to be unsure exactly at the carries, which RL can fix."""
     x, lines = item.start, []
-    while x <= item.limit and len(lines) < 4 * ARITH_MAX_ADDS:  # a sloppy chain can fall back; cap its length
+    for left in range(item.times, 0, -1):
         y = x + item.add
         if slip and y // 10 != x // 10 and rng.random() < slip:
             y -= 10
-        lines.append(f"{x}+{item.add}={y}\n")
+        lines.append(f"{left}:{x}+{item.add}={y}\n")
         x = y
     return "<think>\n" + "".join(lines) + f"</think>\n\n\\boxed{{{x}}}"
 

@@ -29,6 +29,7 @@ Where it departs from the paper, and why:
 import asyncio
 import collections
 import itertools
+import logging
 import multiprocessing
 import os
 import random
@@ -336,7 +337,12 @@ class Sampler:
         can return while its engine-core process is still exiting; what is alive after SHUTDOWN_TIMEOUT s is killed,
         so no process outlives this call."""
         if self.engine is not None:
-            self.engine.shutdown()
+            logger = logging.getLogger("vllm")
+            level, _ = logger.level, logger.setLevel(logging.CRITICAL)  # a dying engine core's errors are expected
+            try:
+                self.engine.shutdown()
+            finally:
+                logger.setLevel(level)
             self.engine = None
         for proc in self._procs:  # our children: join them, so multiprocessing reaps them
             proc.join(SHUTDOWN_TIMEOUT)

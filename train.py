@@ -28,10 +28,10 @@ Where it departs from the paper, and why:
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
-import random
 import shutil
 import signal
 import subprocess
@@ -47,7 +47,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,6 +64,7 @@ import loss
 import pipeline
 import tiny
 
+ARITH_THINK_BUDGET = data.ARITH_THINK_BUDGET  # Args has a field named `data`
 # --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets the "hf" row.
 # Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k answer).
 PAPER_GEN = dict(think_budget=(10240, 12288), answer_budget=2048, max_prompt_len=2048, max_model_len=16384 + 128,
@@ -157,7 +163,7 @@ class Args:
     """G: completions per prompt (paper: 16)"""
     temperature: float = 1.0
     """sampling temperature of training and evaluation; the trainer divides logits by it too"""
-    think_budget: tuple[int, int] = data.ARITH_THINK_BUDGET
+    think_budget: tuple[int, int] = ARITH_THINK_BUDGET
     """forced interruption after L ~ U[lo, hi] thinking tokens (paper A.10: 10k-12k)"""
     answer_budget: int = 16
     """tokens for the answer after thinking (paper: 2k)"""
@@ -351,7 +357,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T), sums to 1
     rows = torch.arange(len(adv))[rank::world]  # validate(): group_size % world == 0, so every rank gets S / world
     sums = torch.zeros(4, dtype=torch.float64)  # loss, valid tokens, clipped tokens, rho summed over tokens
-    ext = torch.full((3,), -math.inf, dtype=torch.float64)  # -rho_min, rho_max, first non-finite sample (or -inf)
+    ext = torch.full((3,), -math.inf, dtype=torch.float64)  # -rho_min, rho_max, -(first non-finite sample) or -inf
     for chunk in rows.split(args.micro_batch_size):
         mask = batch["mask"][chunk].to(device)  # (s, T)
         logp = policy(batch["input_ids"][chunk].to(device), batch["attention_mask"][chunk].to(device), mask,
@@ -361,7 +367,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
                                 cispo_cap=args.cispo_cap)
         finite = torch.isfinite(torch.where(mask, logp.detach(), 0.0)).all(1).cpu()  # (s,)
         if not finite.all() or not torch.isfinite(l):
-            ext[2] = max(ext[2].item(), float(chunk[~finite][0] if not finite.all() else chunk[0]))
+            ext[2] = max(ext[2].item(), -float(chunk[~finite][0] if not finite.all() else chunk[0]))
         (l * world).backward()  # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
         n = float(m["n_tokens"])
         sums += torch.tensor([l.item(), n, float(m["clip_frac"]) * n, float(m["rho_mean"]) * n], dtype=torch.float64)
@@ -371,10 +377,9 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     sums, ext = all_reduce(sums), all_reduce(ext, dist.ReduceOp.MAX)
     if ext[2] > -math.inf or not math.isfinite(sums[0]) or not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        s = int(ext[2]) if ext[2] > -math.inf else None
-        raise FloatingPointError(f"non-finite {'log-prob' if s is not None else 'loss or gradient'} (loss "
-                                 f"{sums[0]:.4g}, grad norm {grad_norm:.4g})" + (f" in batch sample {s}" if s is not None
-                                                                                  else ""))
+        s = int(-ext[2]) if ext[2] > -math.inf else None
+        where = f"log-prob in batch sample {s}" if s is not None else "loss or gradient"
+        raise FloatingPointError(f"non-finite {where} (loss {sums[0]:.4g}, grad norm {grad_norm:.4g})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     n = max(sums[1].item(), 1.0)
@@ -525,15 +530,12 @@ def main(args: Args) -> None:
     policy.to(device)
     shard(policy, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    warmup = lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1))  # noqa: E731  linear warmup, then constant
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     # ---- resume: weights, optimizer, prompt pool, clock, eval history; metrics.jsonl cut back to the checkpoint
     state = {"step": 0, "clock": {"gpu_hours": 0.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0},
              "history": [], "pool": None}
     if args.resume:
         state = load_checkpoint(run_dir, policy, optimizer)
         pool.load_state_dict(state["pool"])
-        scheduler.last_epoch = state["step"]
         if master:
             truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
             truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
@@ -552,6 +554,8 @@ def main(args: Args) -> None:
         export_weights(policy, start_dir, gen_dtype)
     pipe = None
     if master:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes: warnings and errors only
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
         sampler_kwargs = dict(think_budget=tuple(args.think_budget), answer_budget=args.answer_budget,
                               phrase=args.phrase, temperature=args.temperature, seed=args.seed + step,
                               dtype=args.gen_dtype, max_model_len=args.max_model_len, gpus=args.generator_gpus,
@@ -594,7 +598,8 @@ def main(args: Args) -> None:
         if not master:
             return
         line = {"step": step, "gpu_hours": clock["gpu_hours"], "tokens": clock["gen_tokens"] + clock["train_tokens"],
-                **{f"clock/{k}": v for k, v in clock.items()}, **m}
+                "flops": clock["flops"], "clock/gen_tokens": clock["gen_tokens"],
+                "clock/train_tokens": clock["train_tokens"], **m}
         metrics_f.write(json.dumps(line) + "\n")
         metrics_f.flush()
         samples_f.flush()
@@ -634,9 +639,11 @@ def main(args: Args) -> None:
             collated = payload[0]
             # ---- 2. update: advantages, aggregation weights, fp32-head log-probs, CISPO, AdamW (every rank)
             m_train = {"train/tokens": 0}
+            lr = args.lr * min(1.0, (step + 1) / max(args.warmup_steps, 1))  # linear warmup, then constant (A.3)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             if len(collated["rewards"]):  # every group zero-variance: nothing to learn this step
                 m_train = train_step(policy, optimizer, collated, args, device)
-            scheduler.step()
             step += 1
             # ---- 3. in-flight weight update: full weights to the sampler, version = step
             out_dir = pipe.weights_dir(step) if master else None
@@ -644,7 +651,7 @@ def main(args: Args) -> None:
             if master:
                 pipe.publish(out_dir, step)
                 m.update(m_train)
-                m["train/lr"] = scheduler.get_last_lr()[0]
+                m["train/lr"] = lr
             # ---- 4. compute clock, held-out eval, sigmoid fit, log, checkpoint
             dt = time.perf_counter() - t0
             if master:

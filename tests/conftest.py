@@ -14,6 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # flat repo: tests import loss, filters, ... from the root
+os.environ.setdefault("SCALERL_CACHE", os.path.join(ROOT, ".cache"))  # one tiny build per checkout, for every test
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -64,3 +65,11 @@ def vllm_engine(tmp_path_factory):
     while multiprocessing.active_children() and time.time() < deadline:
         time.sleep(0.2)
     assert not multiprocessing.active_children(), f"engine processes left: {multiprocessing.active_children()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The real default model, `tiny.build(seed=0)`, built once into $SCALERL_CACHE (train.py's runs reuse it)."""
+    import tiny
+
+    return tiny.build(seed=0)

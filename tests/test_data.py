@@ -118,27 +118,29 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
     items = [item for item, _ in zip(data.arith_items(0), range(60), strict=False)]
     for item in items:  # gold by brute force, independent of the closed form in ArithItem
         x = item.start
-        while x <= item.limit:
+        for _ in range(item.times):
             x += item.add
-        assert item.gold == str(x)
+        assert item.gold == str(x) and 1 <= item.times <= data.ARITH_MAX_ADDS and x <= 99
     sols = [data.arith_solution(item) for item in items]
     assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(items)
     wrong = [s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
              for s, i in zip(sols, items, strict=True)]
     assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(items)
-    item = data.ArithItem(start=18, add=7, limit=30)
-    assert data.arith_solution(item) == "<think>\n18+7=25\n25+7=32\n</think>\n\n\\boxed{32}"
-    sloppy = data.arith_solution(item, slip=1.0, rng=random.Random(0))  # every carry forgotten: 25 -> 22 -> 29 -> 26..
-    assert sloppy.startswith("<think>\n18+7=15\n15+7=12\n") and reward.math_reward(sloppy, item.gold) == 0.0
+    item = data.ArithItem(start=18, add=7, times=2)
+    assert item.question == "Add 7 to 18, 2 times." and item.gold == "32"
+    assert data.arith_solution(item) == "<think>\n2:18+7=25\n1:25+7=32\n</think>\n\n\\boxed{32}"
+    sloppy = data.arith_solution(item, slip=1.0, rng=random.Random(0))  # every carry forgotten: 15, then 12
+    assert sloppy == "<think>\n2:18+7=15\n1:15+7=12\n</think>\n\n\\boxed{12}"
+    assert reward.math_reward(sloppy, item.gold, timeout=30.0) == 0.0
 
 
 def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
     lo, hi = data.ARITH_THINK_BUDGET
     items = [item for item, _ in zip(data.arith_items(1), range(2000), strict=False)]
-    think = {}  # n_adds -> thinking tokens up to and including </think>
+    think = {}  # additions -> thinking tokens up to and including </think>
     for item in items:
         ids = tok(data.arith_solution(item), add_special_tokens=False)["input_ids"]
-        think.setdefault(item.n_adds, []).append(ids.index(tok.convert_tokens_to_ids("</think>")) + 1)
+        think.setdefault(item.times, []).append(ids.index(tok.convert_tokens_to_ids("</think>")) + 1)
     assert sorted(think) == list(range(1, data.ARITH_MAX_ADDS + 1))
     assert max(think[data.ARITH_MAX_ADDS - 2]) < lo < max(think[data.ARITH_MAX_ADDS - 1]) < hi  # binds on the 2 hardest
     assert lo < max(think[data.ARITH_MAX_ADDS]) <= hi

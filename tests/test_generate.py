@@ -233,6 +233,20 @@ def test_without_thinking_one_phase_one_budget(vllm_engine, tmp_path):
 
 
 @pytest.mark.vllm
+def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path):
+    s, run = vllm_engine.sampler, vllm_engine.run
+    load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])  # letters forever, never </think>
+    s.interruptions = False  # the loo-lp ablation: no phrase; think_budget[1] + answer_budget tokens in one phase
+    try:
+        group = run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9))
+    finally:
+        s.interruptions = True
+    for c in group:
+        assert len(c.completion_ids) == 15 + 9 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
+        assert THINK_END not in c.completion_ids and not c.interrupted and c.truncated
+
+
+@pytest.mark.vllm
 def test_greedy_evaluation_is_deterministic(vllm_engine):
     s, run = vllm_engine.sampler, vllm_engine.run
     run(s.update_weights(vllm_engine.model_dir))  # random weights: sampled rollouts differ, greedy ones cannot

@@ -35,7 +35,7 @@ def test_tokenizer_and_template(tok):
 
 
 def test_warm_start_example_masks(tok):
-    item = data.ArithItem(start=1, add=2, limit=30)  # 15 additions, 113 thinking tokens: past any budget draw
+    item = data.ArithItem(start=1, add=2, times=15)  # 15 additions, 150 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
     text, phrase = tok.decode(ids), tiny.INTERRUPT_PHRASE
     prompt_len = ids.index(tok.convert_tokens_to_ids("<think>"))
@@ -75,8 +75,8 @@ def test_smollm2_missing_package_message(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    return tiny.build(str(tmp_path_factory.mktemp("cache")), seed=0)
+def built(tiny_model):
+    return tiny_model  # the real default build, shared with the train.py tests (conftest.py)
 
 
 @pytest.mark.slow
