@@ -32,7 +32,7 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 ARITH_INSTRUCTION = "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
 ARITH_MAX_ADDS = 9  # the hardest arith item needs this many additions (lines of thinking)
 ARITH_THINK_BUDGET = (80, 94)  # thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73
-ARITH_SIZE = 8000  # RL-pool items that load_prompts("arith") returns (train + held-out)
+ARITH_SIZE = 2000  # RL-pool items that load_prompts("arith") returns (train + held-out), of ~2,570 distinct
 PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
     "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
@@ -130,13 +130,14 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). Raises ValueError for
     an unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing local path."""
     if source == "arith":
-        rows, seen, stream = [], set(), arith_items(seed, "rl")
-        while len(rows) < size:  # unique items, so load_prompts drops no repeats and returns exactly `size`
-            item = next(stream)
-            if item not in seen:
+        rows, seen = [], set()
+        for item, _ in zip(arith_items(seed, "rl"), range(200 * size), strict=False):  # the space is finite
+            if item not in seen:  # unique items, so load_prompts drops no repeats and returns exactly `size`
                 seen.add(item)
                 rows.append({"question": item.question, "answer": item.gold})
-        return rows
+                if len(rows) == size:
+                    return rows
+        raise ValueError(f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool")
     ext = os.path.splitext(source)[1].lower()
     if source in PRESETS or not (os.path.exists(source) or ext or source.startswith((".", "/", "~"))):
         import datasets  # the hub: only where it is reachable, never in tests

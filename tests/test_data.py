@@ -157,6 +157,8 @@ def test_arith_preset_unique_and_seeded(tok):
     assert [p.question for p in a] == [p.question for p in data.load_prompts("arith", tok, thinking=True,
                                                                              max_prompt_len=128, size=300, seed=5)]
     assert tok.decode(a[0].prompt_ids).endswith(f"\n{data.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="distinct items"):  # the space is finite: a clear error, not a hang
+        data.read_rows("arith", size=10_000)
 
 
 def test_real_gsm8k_100(tok):
