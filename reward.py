@@ -35,7 +35,7 @@ STARTUP_TIMEOUT = 120.0  # seconds for a worker to import math-verify; beyond it
 WORKER_MEMORY = 4 << 30  # bytes of address space per worker: a runaway sympy expression gets MemoryError, not the host
 _WORKER_CMD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
                "import reward; reward._worker_loop()")
-STATS = collections.Counter()  # graded / timeout / no_answer / too_long, over the process lifetime
+STATS = collections.Counter()  # graded / timeout / worker_died / no_answer / too_long, over the process lifetime
 _LOCK = threading.Lock()  # guards STATS and the module's pool
 _BOX = re.compile(r"\\boxed\s*\{")
 _BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
@@ -109,21 +109,22 @@ class _Worker:
                                      stdout=subprocess.PIPE, start_new_session=True)  # no Ctrl-C tracebacks
         self.ready = False
 
-    def _read(self, timeout: float) -> bytes:  # b"" on timeout or EOF; poll-based, so any fd number works
+    def _read(self, timeout: float) -> bytes | None:  # None on timeout, b"" at EOF; poll-based: any fd number works
         fd = self.proc.stdout.fileno()
-        return os.read(fd, 1) if wait([fd], max(timeout, 0.0)) else b""
+        return os.read(fd, 1) if wait([fd], max(timeout, 0.0)) else None
 
     def grade(self, gold: str, pred: str, timeout: float) -> bool | None:
-        """Verdict, or None when the worker overran `timeout` or died (then it must be killed)."""
+        """Verdict, or None when the worker overran `timeout` (then it must be killed).
+        Raises BrokenPipeError when the worker is dead (killed while idle, or crashed on this input)."""
         if not self.ready and self._read(STARTUP_TIMEOUT) != b"R":
             raise RuntimeError(f"reward worker failed to start within {STARTUP_TIMEOUT:.0f} s (see its stderr)")
         self.ready = True
-        try:  # math-verify's per-operation alarm sits well inside our deadline, so most overruns end in-worker
-            self.proc.stdin.write(json.dumps([gold, pred, max(1, int(timeout / 4))]).encode() + b"\n")
-            self.proc.stdin.flush()
-        except OSError:
-            return None
+        # math-verify's per-operation alarm sits well inside our deadline, so most overruns end in-worker
+        self.proc.stdin.write(json.dumps([gold, pred, max(1, int(timeout / 4))]).encode() + b"\n")
+        self.proc.stdin.flush()  # OSError (BrokenPipeError) when the worker is dead
         verdict = self._read(timeout)
+        if verdict == b"":
+            raise BrokenPipeError("reward worker died")
         return verdict == b"1" if verdict in (b"0", b"1") else None
 
     def kill(self) -> None:
@@ -161,16 +162,23 @@ def _grade(pair: tuple[str, str], timeout: float) -> float:
             for _ in range(WORKERS):
                 _SLOTS.put(None)
         slots = _SLOTS
-    worker, ok = slots.get(), None  # blocks while all WORKERS are busy
+    worker, ok, outcome = slots.get(), None, "timeout"  # blocks while all WORKERS are busy
     try:
-        if worker is None or worker.proc.poll() is not None:  # not started yet, or died while idle (OOM killer)
-            worker = _Worker()
-        ok = worker.grade(*pair, timeout)
+        for _ in range(2):  # a worker can die idle (OOM killer) and still look alive until its exit finishes
+            if worker is None or worker.proc.poll() is not None:  # not started yet, or known dead
+                worker = _Worker()
+            try:
+                ok = worker.grade(*pair, timeout)
+                outcome = "graded" if ok is not None else "timeout"
+                break
+            except OSError:  # dead: retry once on a fresh worker; dying twice on one input scores it 0
+                worker.kill()
+                worker, outcome = None, "worker_died"
     finally:
         if ok is None and worker is not None:
-            worker.kill()  # overran or died: a fresh one starts when the slot is next used
+            worker.kill()  # overran: a fresh one starts when the slot is next used
         slots.put(worker if ok is not None else None)
-    _count("graded" if ok is not None else "timeout")
+    _count(outcome)
     return 1.0 if ok else 0.0
 
 
