@@ -107,6 +107,7 @@ class Pipeline:
         self._error, self._closed, self._pending = None, False, None  # _pending: newest published (dir, version)
         self._t_next = self._published = self._released = self._applied = version
         self._outstanding = self._started = self._round_started = self._round_consumed = self.dropped = 0
+        self._evaluating = 0  # evaluations running: no new group starts meanwhile, so the engine serves them first
         self._inflight: dict[int, float] = {}  # seq -> start time
         self._idle_s, self._idle_since = 0.0, time.perf_counter()
         self._wake, self._publish_event = asyncio.Event(), asyncio.Event()  # bound to the loop at first wait
@@ -200,13 +201,16 @@ class Pipeline:
         if release:
             self._poke(self._publish_event)
 
-    def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None):
+    def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None,
+                 greedy: bool = False):
         """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
         metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
         eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
-        interrupted, truncated, version). No greedy pass: generate.check_sampling rejects temperature 0 (vLLM turns
-        anything below 0.01 into 0.01). Raises the sampler's or reward's errors, TimeoutError after `timeout` s."""
-        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature), self.loop)
+        interrupted, truncated, version). temperature 0 is greedy; greedy=True adds one greedy sample per prompt,
+        reported as eval/greedy_pass_rate (not in records, not in eval/pass_rate). No new training group starts
+        while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
+        go stale meanwhile. Raises the sampler's or reward's errors, TimeoutError after `timeout` s."""
+        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature, greedy), self.loop)
         try:
             return future.result(timeout)
         except BaseException:
@@ -260,7 +264,7 @@ class Pipeline:
 
     def _claim(self) -> int | None:  # the start order of a group that may start now (counted as started), or None
         with self._cv:
-            if (self._error or self._closed or len(self._inflight) >= self.max_inflight or not (
+            if (self._error or self._closed or self._evaluating or len(self._inflight) >= self.max_inflight or not (
                     self._round_started < self.k * self.P if self.mode == "ppo"  # k batches per weight version
                     else may_start(self._t_next, self._outstanding, self.P, self._applied, self.k))):
                 return None
@@ -323,24 +327,35 @@ class Pipeline:
                 self._cv.notify_all()
             self._wake.set()
 
-    async def _evaluate(self, prompts, n, temperature):
+    async def _evaluate(self, prompts, n, temperature, greedy):
         while self._applied < self._released:
             with self._cv:
                 self._check()
             await asyncio.sleep(0.05)
         version, loop = self._applied, asyncio.get_running_loop()
-        groups = await asyncio.gather(*[self.sampler.generate(p.prompt_ids, n=n, thinking=p.thinking,
-                                                              temperature=temperature) for p in prompts])
+        jobs = [(p, n, temperature) for p in prompts] + [(p, 1, 0.0) for p in prompts if greedy]
+        with self._cv:
+            self._evaluating += 1
+        try:
+            groups = await asyncio.gather(*[self.sampler.generate(p.prompt_ids, n=k, thinking=p.thinking,
+                                                                  temperature=t) for p, k, t in jobs])
+        finally:
+            with self._cv:
+                self._evaluating -= 1
+            self._wake.set()
         rewards = await asyncio.gather(*[loop.run_in_executor(self._executor, self.reward_fn, [c.text for c in g],
-                                                              [p.gold] * n, p.thinking, self.reward_timeout)
-                                         for p, g in zip(prompts, groups, strict=True)])
+                                                              [p.gold] * k, p.thinking, self.reward_timeout)
+                                         for (p, k, _), g in zip(jobs, groups, strict=True)])
         records = [{"index": p.index, "sample": j, "text": c.text, "gold": p.gold, "reward": float(rs[j]),
                     "tokens": len(c.completion_ids), "interrupted": c.interrupted, "truncated": c.truncated,
-                    "version": version} for p, g, rs in zip(prompts, groups, rewards, strict=True)
-                   for j, c in enumerate(g)]
+                    "version": version} for p, g, rs in zip(prompts, groups, rewards, strict=False)
+                   for j, c in enumerate(g)]  # the sampled ones; greedy ones follow in groups[len(prompts):]
         mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
-        return {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"), "eval/version": version,
-                "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted")}, records
+        metrics = {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"), "eval/version": version,
+                   "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted")}
+        if greedy:
+            metrics["eval/greedy_pass_rate"] = statistics.fmean(rs[0] for rs in rewards[len(prompts):])
+        return metrics, records
 
     async def _stop(self) -> None:
         self._task.cancel()

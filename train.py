@@ -12,7 +12,8 @@ weight updates) and grades them; the trainer takes a batch of P groups with lag 
 records pass rates for No-Positive-Resampling, computes batch-normalized advantages and prompt-level aggregation
 weights on the whole batch, runs fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps
 AdamW, and hands the new weights to the sampler. Every `eval_every` steps: held-out pass rate, the compute clock,
-a sigmoid fit of the curve so far, a checkpoint every `save_every`.
+a sigmoid fit of the curve so far, a checkpoint every `save_every`. Flags, presets and recipes: config.py;
+checkpoints, weight export and the run directory: checkpoint.py.
 
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a ~1M-parameter Qwen3 on a synthetic task (data.py `arith`) with 10^4x smaller
@@ -25,244 +26,31 @@ Where it departs from the paper, and why:
 5. The LR warmup is `warmup_steps` (100 in the paper, shorter for the tiny preset's few hundred steps).
 """
 
-import argparse
 import dataclasses
 import json
 import logging
 import math
 import os
-import platform
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import tyro
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoint
 import data
 import filters
 import fit
-import generate
 import loss
 import pipeline
 import tiny
-
-ARITH_THINK_BUDGET = data.ARITH_THINK_BUDGET  # Args has a field named `data`
-# --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets the "hf" row.
-# Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k answer).
-PAPER_GEN = dict(think_budget=(10240, 12288), answer_budget=2048, max_prompt_len=2048, max_model_len=16384 + 128,
-                 prompts_per_step=48, group_size=16, eval_size=1000, eval_n=16, eval_every=100, save_every=100,
-                 warmup_steps=100, steps=5000, micro_batch_size=4, data="polaris", temperature=1.0)
-PRESETS = {
-    "tiny": {},  # the Args defaults: a ~1M-parameter Qwen3 built by tiny.py, the arith task, CPU
-    "smollm2-135m": dict(path=None, data="gsm8k", think_budget=(1, 1), answer_budget=256, max_prompt_len=256,
-                         max_model_len=640, prompts_per_step=4, group_size=4, lr=1e-6, temperature=1.0, steps=100,
-                         eval_every=10, eval_size=8, eval_n=2, save_every=50, warmup_steps=10, micro_batch_size=4,
-                         kv_cache_gib=0.5, gen_dtype="float32"),
-    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, gpu_memory_utilization=0.6),
-    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, gpu_memory_utilization=0.6),  # paper A.3: 5e-7
-    "hf": dict(PAPER_GEN, path=None, lr=1e-6, gpu_memory_utilization=0.6),
-}
-# --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
-# settings on top of ScaleRL. A flag given on the command line wins over the recipe.
-RECIPES = {
-    "scalerl": {},
-    "deepseek-grpo": dict(loss="grpo", eps_low=0.2, eps_high=0.2, agg="sample", adv_norm="prompt", async_mode="ppo",
-                          zero_var_filter=False, prompt_sampling="uniform", fp32_head=False),
-    "qwen2.5-dapo": dict(loss="dapo", eps_low=0.2, eps_high=0.26, agg="prompt", adv_norm="prompt", async_mode="ppo",
-                         prompt_sampling="uniform", fp32_head=False, batch_scale=80 / 48),
-    "magistral": dict(loss="dapo", eps_low=0.2, eps_high=0.26, agg="prompt", adv_norm="prompt",
-                      prompt_sampling="uniform", fp32_head=False),
-    "minimax": dict(agg="prompt", adv_norm="prompt", async_mode="ppo", prompt_sampling="uniform",
-                    batch_scale=80 / 48),
-    "loo-plan": dict(adv_norm="prompt"),
-    "loo-lp": dict(interruptions=False, length_penalty=True),
-    "loo-batch": dict(zero_var_filter=False),
-    "loo-8op": dict(async_mode="ppo"),
-    "loo-fp32": dict(fp32_head=False),
-    "loo-savg": dict(agg="sample"),
-    "loo-dapo": dict(loss="dapo"),
-    "loo-uniform": dict(prompt_sampling="uniform"),
-}
-
-
-@dataclass
-class Args:
-    """ScaleRL training (arXiv 2510.13786). Defaults: the recipe of §4 at the scale of --model's preset."""
-
-    # --- run, seed, logging
-    run_dir: str | None = None
-    """run directory (default: runs/<model>-<recipe>-<date>); holds metrics.jsonl, samples.jsonl, checkpoints"""
-    resume: str | None = None
-    """continue the run in this directory from its last checkpoint (its args are the defaults)"""
-    seed: int = 0
-    """prompt order, held-out split, initialization, sampler seed"""
-    steps: int = 100
-    """optimizer steps in all"""
-    eval_every: int = 10
-    """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the end"""
-    eval_size: int = 200
-    """held-out prompts (paper: 1,000), removed from training"""
-    eval_n: int = 4
-    """samples per held-out prompt (paper: 16); the pass rate is their mean"""
-    save_every: int = 50
-    """checkpoint every this many steps (and on Ctrl-C); 0: only at the end"""
-    log_samples: int = 4
-    """completions per step written to samples.jsonl"""
-    wandb_project: str | None = None
-    """also log to Weights & Biases (needs `pip install wandb`)"""
-    # --- model and devices
-    model: str = "tiny"
-    """preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), Hugging Face id or local dir"""
-    path: str | None = None
-    """weights to start from (default: the preset's; `tiny` builds its own)"""
-    generator_gpus: list[int] | None = None
-    """GPUs for vLLM (default: those torchrun does not use, else rank 0's GPU, shared)"""
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism; generator_gpus = tp * dp GPUs"""
-    gpu_memory_utilization: float | None = None
-    """vLLM's share of each generator GPU"""
-    kv_cache_gib: float | None = None
-    """vLLM KV cache size on CPU"""
-    gen_dtype: str = "auto"
-    """vLLM weights dtype ("auto": bf16 on GPU)"""
-    max_model_len: int = 512
-    """vLLM context: prompt + thinking + phrase + answer must fit"""
-    # --- data
-    data: str = "arith"
-    """dataset: preset (arith, gsm8k, polaris, math500), local .jsonl/.json/.parquet, or a hub id"""
-    question_key: str | None = None
-    """column holding the question (default: question / problem / prompt)"""
-    answer_key: str | None = None
-    """column holding the gold answer (default: answer / solution / final_answer)"""
-    max_prompt_len: int = 128
-    """prompts longer than this after templating are skipped (counted)"""
-    # --- generation
-    prompts_per_step: int = 16
-    """P: prompt groups per optimizer step (paper: 48)"""
-    group_size: int = 8
-    """G: completions per prompt (paper: 16)"""
-    temperature: float = 1.0
-    """sampling temperature of training and evaluation; the trainer divides logits by it too"""
-    think_budget: tuple[int, int] = ARITH_THINK_BUDGET
-    """forced interruption after L ~ U[lo, hi] thinking tokens (paper A.10: 10k-12k)"""
-    answer_budget: int = 16
-    """tokens for the answer after thinking (paper: 2k)"""
-    interruptions: bool = True
-    """forced interruptions (§2); off: one phase of think_budget[1] + answer_budget tokens (loo-lp)"""
-    phrase: str = generate.PHRASE
-    """appended when the thinking budget runs out (paper §4)"""
-    async_mode: Literal["pipeline", "ppo"] = "pipeline"
-    """PipelineRL-k with in-flight updates (§3.1) or PPO-off-policy-k (k batches per weight version)"""
-    max_lag: int = 8
-    """k: the most trainer steps a batch's oldest token may lag (paper: 8); 0 = synchronous on-policy"""
-    # --- filters
-    zero_var_filter: bool = True
-    """drop groups whose rewards are all equal from the loss (§3.2 "effective batch")"""
-    prompt_sampling: Literal["no_positive", "uniform"] = "no_positive"
-    """No-Positive-Resampling (retire prompts with pass rate >= npr_threshold) or uniform epochs"""
-    npr_threshold: float = 0.9
-    """pass rate at which No-Positive-Resampling retires a prompt (paper: 0.9)"""
-    length_penalty: bool = False
-    """DAPO overlong penalty on correct rollouts (A.10 Eq. 9; loo-lp)"""
-    # --- loss
-    recipe: str = "scalerl"
-    """flag bundle: scalerl, deepseek-grpo, qwen2.5-dapo, magistral, minimax, loo-plan, loo-lp, loo-batch,
-    loo-8op, loo-fp32, loo-savg, loo-dapo, loo-uniform"""
-    loss: Literal["cispo", "gspo", "dapo", "grpo"] = "cispo"
-    """policy loss (§3.2)"""
-    agg: Literal["prompt", "sample", "token"] = "prompt"
-    """loss aggregation (§3.2, A.9)"""
-    adv_norm: Literal["batch", "prompt", "none"] = "batch"
-    """advantage normalization (§3.2, A.9)"""
-    cispo_cap: float = 4.0
-    """CISPO truncation of the IS ratio (paper: one of 4, 5, 8)"""
-    eps_low: float = 0.2
-    """DAPO / GRPO lower clip"""
-    eps_high: float = 0.28
-    """DAPO / GRPO upper clip"""
-    fp32_head: bool = True
-    """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on CPU)"""
-    # --- optimizer
-    lr: float = 1e-4
-    """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""
-    warmup_steps: int = 10
-    """linear LR warmup (paper: 100)"""
-    weight_decay: float = 0.01
-    adam_eps: float = 1e-15
-    """paper A.3: 1e-15, against epsilon underflow"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (the paper does not say)"""
-    micro_batch_size: int = 128
-    """sequences per forward/backward on each rank"""
-    batch_scale: float = 1.0
-    """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
-
-
-def parse_args(argv=None) -> Args:
-    """Defaults = ScaleRL, then the --model preset, then the --recipe, then (with --resume) the run's saved args;
-    explicit flags win over all of them. Raises SystemExit with a message on an unknown preset or recipe."""
-    argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", default="tiny")
-    pre.add_argument("--recipe", default="scalerl")
-    pre.add_argument("--resume", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if known.resume:
-        with open(os.path.join(known.resume, "args.json")) as f:
-            default = Args(**{**json.load(f), "resume": known.resume})
-    else:
-        if known.recipe not in RECIPES:
-            raise SystemExit(f"unknown --recipe {known.recipe!r}; choose from {', '.join(RECIPES)}")
-        is_path = os.path.sep in known.model or known.model.startswith(".")
-        if known.model not in PRESETS and not is_path and "/" not in known.model:
-            raise SystemExit(f"unknown --model {known.model!r}: not a preset ({', '.join(PRESETS)}), a hub id "
-                             f"(org/name) or a directory")
-        preset = dict(PRESETS.get(known.model, PRESETS["hf"]))
-        if known.model not in PRESETS:
-            preset["path"] = known.model
-        default = Args(**{**preset, **RECIPES[known.recipe], "model": known.model, "recipe": known.recipe})
-    return tyro.cli(Args, args=argv, default=default)
-
-
-def validate(args: Args, world: int) -> None:
-    """Clear errors before any expensive work (SystemExit naming the flag)."""
-    lo, hi = args.think_budget
-    need = args.max_prompt_len + hi + len(args.phrase) + args.answer_budget  # phrase: at most one token per char
-    checks = [
-        (args.steps >= 1 and args.eval_every >= 1 and args.eval_size >= 1 and args.eval_n >= 1,
-         "--steps, --eval-every, --eval-size, --eval-n must be >= 1"),
-        (0 < lo <= hi and args.answer_budget >= 1, f"--think-budget {lo} {hi} needs 0 < lo <= hi"),
-        (need <= args.max_model_len, f"--max-model-len {args.max_model_len} < max_prompt_len + think_budget[1] + "
-                                     f"phrase + answer_budget = {need}"),
-        (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
-        (args.group_size % world == 0, f"--group-size {args.group_size} must divide across {world} ranks"),
-        (args.max_lag >= 0 and args.temperature > 0 and args.lr > 0, "--max-lag >= 0, --temperature, --lr > 0"),
-        (args.path is None or "/" in args.path and not args.path.startswith((".", "/")) or os.path.isdir(args.path),
-         f"model directory {args.path!r} does not exist"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise SystemExit(f"train.py: {msg}")
+from config import Args, parse_args, validate
 
 
 def free_port() -> int:
@@ -297,7 +85,8 @@ class Policy(torch.nn.Module):
         self.lm, self.fp32_head = lm, fp32_head
 
     def forward(self, input_ids, attention_mask, mask, temperature: float):
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (S,T,H)
+        decoder = self.lm.get_decoder()  # hidden: (S, T, H)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         head_dtype = torch.float32 if self.fp32_head else hidden.dtype
         return loss.completion_logprobs(hidden, weight, input_ids, mask, temperature, head_dtype=head_dtype)
@@ -389,56 +178,6 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
             "train/adv_abs_mean": adv.abs().mean().item()}
 
 
-def export_weights(policy: Policy, out_dir: str | None, dtype: torch.dtype) -> None:
-    """Gather the full, unsharded weights (a collective: every rank calls it) and, on rank 0, save them to
-    `out_dir/model.safetensors` under the Hugging Face names vLLM reloads; a tied head is saved once, as the
-    input embedding. FSDP2 DTensors and plain tensors alike (StateDictOptions(full_state_dict=True))."""
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if out_dir is None:
-        return
-    sd = {k.removeprefix("lm."): v.to(dtype).contiguous() for k, v in sd.items()}
-    if policy.lm.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, os.path.join(out_dir, "model.safetensors"))
-
-
-def save_checkpoint(run_dir: str, step: int, policy, optimizer, state: dict) -> None:
-    """Model and optimizer, sharded, with torch.distributed.checkpoint (every rank writes its shards), then the run
-    state (state.json, atomically: a checkpoint without it does not exist), then older checkpoints are deleted."""
-    path = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(run_dir, "state.json.tmp"), "w") as f:
-            json.dump({**state, "step": step, "checkpoint": path}, f)
-        os.replace(os.path.join(run_dir, "state.json.tmp"), os.path.join(run_dir, "state.json"))
-        for old in os.listdir(os.path.dirname(path)):
-            if old != os.path.basename(path):
-                shutil.rmtree(os.path.join(os.path.dirname(path), old), ignore_errors=True)
-    dist.barrier()
-
-
-def load_checkpoint(run_dir: str, policy, optimizer) -> dict:
-    """Restore model and optimizer in place from the run's last checkpoint; returns its run state."""
-    with open(os.path.join(run_dir, "state.json")) as f:
-        state = json.load(f)
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=state["checkpoint"])
-    set_state_dict(policy, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return state
-
-
-def truncate_log(path: str, step: int) -> None:
-    """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= step]
-        with open(path, "w") as f:
-            f.writelines(keep)
-
-
 def curve_fit(history: list[dict], steps: int) -> dict:
     """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and predict the pass
     rate at the last step, extrapolating compute linearly in steps. {} until there are 4 points past step 0."""
@@ -475,23 +214,6 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     return out
 
 
-def run_metadata(args: Args, world: int) -> dict:
-    """What made this run (modded-nanogpt style): code version, libraries, hardware, command line."""
-    import transformers
-    import vllm
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    cuda = torch.cuda.is_available()
-    return {"commit": commit, "argv": sys.argv, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "vllm": vllm.__version__, "world_size": world,
-            "host": platform.node(), "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
-
-
 def main(args: Args) -> None:
     rank, world, device = setup_distributed()
     validate(args, world)
@@ -505,7 +227,7 @@ def main(args: Args) -> None:
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "resume": None}, f, indent=1)
         with open(os.path.join(run_dir, "meta.json"), "w") as f:
-            json.dump(run_metadata(args, world), f, indent=1)
+            json.dump(checkpoint.run_metadata(world), f, indent=1)
     # ---- model, tokenizer, prompts (the tiny model is built once and cached; rank 0 builds, others wait)
     path = args.path
     if path is None and master:
@@ -534,11 +256,11 @@ def main(args: Args) -> None:
     state = {"step": 0, "clock": {"gpu_hours": 0.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0},
              "history": [], "pool": None}
     if args.resume:
-        state = load_checkpoint(run_dir, policy, optimizer)
+        state = checkpoint.load_checkpoint(run_dir, policy, optimizer)
         pool.load_state_dict(state["pool"])
         if master:
-            truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
-            truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
+            checkpoint.truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
+            checkpoint.truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
     step, clock, history = state["step"], state["clock"], state["history"]
     gen_dtype = torch.bfloat16 if cuda and args.gen_dtype == "auto" else (
         torch.float32 if args.gen_dtype in ("auto", "float32") else getattr(torch, args.gen_dtype))
@@ -551,7 +273,7 @@ def main(args: Args) -> None:
             for f in os.listdir(path):
                 if not f.endswith(".safetensors") and os.path.isfile(os.path.join(path, f)):
                     shutil.copy(os.path.join(path, f), start_dir)
-        export_weights(policy, start_dir, gen_dtype)
+        checkpoint.export_weights(policy, start_dir, gen_dtype)
     pipe = None
     if master:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes: warnings and errors only
@@ -586,9 +308,8 @@ def main(args: Args) -> None:
         t0 = time.perf_counter()
         m = {}
         if master:
-            m, records = pipe.evaluate(eval_prompts, args.eval_n)
-            greedy, _ = pipe.evaluate(eval_prompts, 1, temperature=0.0)
-            m["eval/greedy_pass_rate"] = greedy["eval/pass_rate"]  # logged beside the metric, never fitted
+            # the paper's metric: eval_n samples at the training temperature; greedy is logged beside it, never fitted
+            m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True)
             for r in records[: args.log_samples]:
                 samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
@@ -647,7 +368,7 @@ def main(args: Args) -> None:
             step += 1
             # ---- 3. in-flight weight update: full weights to the sampler, version = step
             out_dir = pipe.weights_dir(step) if master else None
-            export_weights(policy, out_dir, gen_dtype)
+            checkpoint.export_weights(policy, out_dir, gen_dtype)
             if master:
                 pipe.publish(out_dir, step)
                 m.update(m_train)
@@ -671,7 +392,7 @@ def main(args: Args) -> None:
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:
                 run_state = {"version": step, "clock": clock, "history": history,
                              "pool": pool.state_dict() if master else None}
-                save_checkpoint(run_dir, step, policy, optimizer, run_state)
+                checkpoint.save_checkpoint(run_dir, step, policy, optimizer, run_state)
             if stop_now:
                 print(f"[rank {rank}] stopped at step {step}; resume with --resume {run_dir}", flush=True)
                 break

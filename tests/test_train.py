@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import config
 import tiny
 import train
 
@@ -36,22 +37,22 @@ def metrics(run_dir):
 # ---- flags, recipes, bad input (no engine) ----
 
 def test_recipes_set_the_papers_flags_and_explicit_flags_win():
-    a = train.parse_args([])
+    a = config.parse_args([])
     assert (a.loss, a.agg, a.adv_norm, a.async_mode, a.max_lag, a.zero_var_filter, a.prompt_sampling,
             a.npr_threshold, a.fp32_head, a.interruptions, a.adam_eps, a.weight_decay) == (
         "cispo", "prompt", "batch", "pipeline", 8, True, "no_positive", 0.9, True, True, 1e-15, 0.01)  # §4, A.3
-    g = train.parse_args(["--recipe", "deepseek-grpo"])
+    g = config.parse_args(["--recipe", "deepseek-grpo"])
     assert (g.loss, g.eps_low, g.eps_high, g.agg, g.async_mode) == ("grpo", 0.2, 0.2, "sample", "ppo")  # PAPER 10.2
-    d = train.parse_args(["--recipe", "qwen2.5-dapo"])
+    d = config.parse_args(["--recipe", "qwen2.5-dapo"])
     assert (d.loss, d.eps_high, d.agg, d.async_mode, round(d.batch_scale * 48)) == ("dapo", 0.26, "prompt", "ppo", 80)
-    assert train.parse_args(["--recipe", "loo-lp"]).length_penalty and not train.parse_args(
+    assert config.parse_args(["--recipe", "loo-lp"]).length_penalty and not config.parse_args(
         ["--recipe", "loo-lp"]).interruptions
-    assert train.parse_args(["--recipe", "loo-8op"]).async_mode == "ppo"
-    assert train.parse_args(["--recipe", "loo-dapo", "--loss", "gspo"]).loss == "gspo"  # the command line wins
-    q = train.parse_args(["--model", "qwen3-8b"])
+    assert config.parse_args(["--recipe", "loo-8op"]).async_mode == "ppo"
+    assert config.parse_args(["--recipe", "loo-dapo", "--loss", "gspo"]).loss == "gspo"  # the command line wins
+    q = config.parse_args(["--model", "qwen3-8b"])
     assert (q.path, q.lr, q.prompts_per_step, q.group_size, q.think_budget, q.answer_budget) == (
         "Qwen/Qwen3-8B", 5e-7, 48, 16, (10240, 12288), 2048)  # the paper's scale (A.3, A.10)
-    assert train.parse_args(["--model", "org/any-model"]).path == "org/any-model"
+    assert config.parse_args(["--model", "org/any-model"]).path == "org/any-model"
 
 
 @pytest.mark.parametrize("argv, world, match", [
@@ -64,7 +65,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
 ])
 def test_bad_input_fails_before_any_work(argv, world, match):
     with pytest.raises(SystemExit, match=match):
-        train.validate(train.parse_args(argv), world)
+        config.validate(config.parse_args(argv), world)
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
@@ -132,7 +133,7 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path):
     batch = fixed_batch(model_dir)
     rank, world, device = train.setup_distributed()
     try:
-        args = train.Args(micro_batch_size=4)
+        args = config.Args(micro_batch_size=4)
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
             lm.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")  # poisons every position after the first
