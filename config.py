@@ -73,11 +73,11 @@ class Args:
     """continue the run in this directory from its last checkpoint (its args are the defaults)"""
     seed: int = 0
     """prompt order, held-out split, initialization, sampler seed"""
-    steps: int = 100
+    steps: int = 40
     """optimizer steps in all"""
-    eval_every: int = 10
+    eval_every: int = 4
     """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the end"""
-    eval_size: int = 200
+    eval_size: int = 64
     """held-out prompts (paper: 1,000), removed from training"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
@@ -162,7 +162,7 @@ class Args:
     # --- optimizer
     lr: float = 1e-4
     """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""
-    warmup_steps: int = 10
+    warmup_steps: int = 5
     """linear LR warmup (paper: 100)"""
     weight_decay: float = 0.01
     adam_eps: float = 1e-15

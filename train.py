@@ -328,7 +328,7 @@ def main(args: Args) -> None:
             wandb.log(line, step=step)
         ev = f" | eval {m['eval/pass_rate']:.3f}" if "eval/pass_rate" in m else ""
         fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
-        print(f"step {step:5d}/{args.steps} | reward {m.get('gen/reward_mean', float('nan')):.3f}{ev}{fitted} | "
+        print(f"step {step:5d}/{args.steps} | reward {m.get('train/reward', float('nan')):.3f}{ev}{fitted} | "
               f"lag {m.get('train/lag_max', 0):.0f} | zero-var {m.get('filter/zero_var_frac', 0):.2f} | active "
               f"{pool.num_active} | clip {m.get('train/clip_frac', 0):.3f} | {m.get('time/step_s', 0):.1f} s",
               flush=True)
@@ -349,6 +349,7 @@ def main(args: Args) -> None:
                         filters.zero_variance_mask(torch.tensor(g.rewards), torch.zeros(len(g.rewards))).any()]
                 for g in batch.groups:  # No-Positive-Resampling history: every scored group counts (§3.2)
                     pool.record(g.index, sum(r >= 1.0 for r in g.rewards), len(g.rewards))
+                m["train/reward"] = float(np.mean([r for g in batch.groups for r in g.rewards]))
                 m["filter/zero_var_frac"] = 1 - len(kept) / len(batch.groups)
                 m["filter/active_prompts"] = pool.num_active
                 payload = [collate(kept, tokenizer.pad_token_id, args)]
@@ -363,16 +364,18 @@ def main(args: Args) -> None:
             lr = args.lr * min(1.0, (step + 1) / max(args.warmup_steps, 1))  # linear warmup, then constant (A.3)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            t1 = time.perf_counter()
             if len(collated["rewards"]):  # every group zero-variance: nothing to learn this step
                 m_train = train_step(policy, optimizer, collated, args, device)
             step += 1
             # ---- 3. in-flight weight update: full weights to the sampler, version = step
+            t2 = time.perf_counter()
             out_dir = pipe.weights_dir(step) if master else None
             checkpoint.export_weights(policy, out_dir, gen_dtype)
             if master:
                 pipe.publish(out_dir, step)
-                m.update(m_train)
-                m["train/lr"] = lr
+                m.update(m_train, **{"train/lr": lr, "time/update_s": t2 - t1,
+                                     "time/publish_s": time.perf_counter() - t2})
             # ---- 4. compute clock, held-out eval, sigmoid fit, log, checkpoint
             dt = time.perf_counter() - t0
             if master:

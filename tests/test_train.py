@@ -166,6 +166,7 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
     assert hours[0] == 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
     for m in lines[1:]:
         assert m["gen/tokens"] > 0 and 0 <= m["filter/zero_var_frac"] <= 1 and m["train/lag_max"] <= 8
+        assert 0 <= m["train/reward"] <= 1
         assert m["clock/gen_tokens"] >= m["gen/tokens"] and m["flops"] > 0
     assert "step     3/3" in out.stdout
     for name in ("args.json", "meta.json", "heldout.json", "samples.jsonl", "state.json", "fit.json"):
