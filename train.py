@@ -262,6 +262,7 @@ def main(args: Args) -> None:
             checkpoint.truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
             checkpoint.truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
     step, clock, history = state["step"], state["clock"], state["history"]
+    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the trainer is fp32)
     gen_dtype = torch.bfloat16 if cuda and args.gen_dtype == "auto" else (
         torch.float32 if args.gen_dtype in ("auto", "float32") else getattr(torch, args.gen_dtype))
     # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM); it starts from the current weights
@@ -280,8 +281,9 @@ def main(args: Args) -> None:
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
         sampler_kwargs = dict(think_budget=tuple(args.think_budget), answer_budget=args.answer_budget,
                               phrase=args.phrase, temperature=args.temperature, seed=args.seed + step,
-                              dtype=args.gen_dtype, max_model_len=args.max_model_len, gpus=args.generator_gpus,
-                              tensor_parallel_size=args.tensor_parallel_size,
+                              dtype=str(gen_dtype).removeprefix("torch."), max_model_len=args.max_model_len,
+                              gpus=args.generator_gpus, tensor_parallel_size=args.tensor_parallel_size,
+                              data_parallel_size=len(args.generator_gpus or [0]) // args.tensor_parallel_size,
                               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
                               max_num_seqs=max(256, 2 * args.prompts_per_step * args.group_size),
                               interruptions=args.interruptions, fp32_head=args.fp32_head)
