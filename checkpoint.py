@@ -11,6 +11,7 @@ call them on every rank.
 """
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -51,7 +52,7 @@ def save_checkpoint(run_dir: str, step: int, policy, optimizer, state: dict) -> 
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(run_dir, "state.json.tmp"), "w") as f:
-            json.dump({**state, "step": step, "checkpoint": path}, f)
+            json.dump({**state, "step": step, "checkpoint": os.path.basename(path)}, f)  # run_dir-relative
         os.replace(os.path.join(run_dir, "state.json.tmp"), os.path.join(run_dir, "state.json"))
         for old in os.listdir(os.path.dirname(path)):
             if old != os.path.basename(path):
@@ -65,16 +66,24 @@ def load_checkpoint(run_dir: str, policy, optimizer) -> dict:
         state = json.load(f)
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=state["checkpoint"])
+    dcp.load(sd, checkpoint_id=os.path.join(run_dir, "checkpoints", state["checkpoint"]))
     set_state_dict(policy, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return state
 
 
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", math.inf)
+    except ValueError:  # the half-written last line of a killed run
+        return math.inf
+
+
 def truncate_log(path: str, step: int) -> None:
-    """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
+    """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint, and drops a line
+    cut off by a kill)."""
     if os.path.exists(path):
         with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) <= step]
+            keep = [line for line in f if _step_of(line) <= step]
         with open(path, "w") as f:
             f.writelines(keep)
 

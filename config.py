@@ -26,9 +26,10 @@ ARITH_THINK_BUDGET = data.ARITH_THINK_BUDGET  # Args has a field named `data`
 # Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k answer).
 PAPER_GEN = dict(think_budget=(10240, 12288), answer_budget=2048, max_prompt_len=2048, max_model_len=16384 + 128,
                  prompts_per_step=48, group_size=16, eval_size=1000, eval_n=16, eval_every=100, save_every=100,
-                 warmup_steps=100, steps=5000, micro_batch_size=4, data="polaris", temperature=1.0)
+                 warmup_steps=100, steps=5000, micro_batch_size=1, activation_checkpointing=True, data="polaris",
+                 temperature=1.0)
 PRESETS = {
-    "tiny": {},  # the Args defaults: a ~1M-parameter Qwen3 built by tiny.py, the arith task, CPU
+    "tiny": {},  # the Args defaults: a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU
     "smollm2-135m": dict(path=None, data="gsm8k", think_budget=(1, 1), answer_budget=256, max_prompt_len=256,
                          max_model_len=640, prompts_per_step=4, group_size=4, lr=1e-6, temperature=1.0, steps=100,
                          eval_every=10, eval_size=8, eval_n=2, save_every=50, warmup_steps=10, micro_batch_size=4,
@@ -100,6 +101,8 @@ class Args:
     """vLLM's share of each generator GPU"""
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer's activations in backward (the GPU presets: 16k-token sequences)"""
     gen_dtype: str = "auto"
     """vLLM weights dtype ("auto": bf16 on GPU)"""
     max_model_len: int = 512
@@ -165,6 +168,7 @@ class Args:
     warmup_steps: int = 5
     """linear LR warmup (paper: 100)"""
     weight_decay: float = 0.01
+    """AdamW weight decay (paper A.3: 0.01)"""
     adam_eps: float = 1e-15
     """paper A.3: 1e-15, against epsilon underflow"""
     max_grad_norm: float = 1.0

@@ -77,8 +77,8 @@ def arith_items(seed: int, pool: str = "rl", max_adds: int = ARITH_MAX_ADDS) -> 
     """Infinite seeded stream of arith items with 1..max_adds additions (uniform), addends 2..9, totals <= 99.
 
     pool: "rl" (train.py's prompts and held-out) or "sft" (tiny.py's warm start); an item's pool is fixed by the
-    CRC32 of its question, so the two never share an item. Items repeat (the space is ~10k per pool); load_prompts
-    drops repeats. Raises ValueError for an unknown pool."""
+    CRC32 of its question, so the two never share an item. Items repeat (the RL pool has ~2,570 distinct items);
+    load_prompts drops repeats. Raises ValueError for an unknown pool."""
     if pool not in ("rl", "sft"):
         raise ValueError(f"arith pool must be 'rl' or 'sft', got {pool!r}")
     rng = random.Random(seed)

@@ -16,7 +16,7 @@ a sigmoid fit of the curve so far, a checkpoint every `save_every`. Flags, prese
 checkpoints, weight export and the run directory: checkpoint.py.
 
 Where it departs from the paper, and why:
-1. Scale: the `tiny` preset is a ~1M-parameter Qwen3 on a synthetic task (data.py `arith`) with 10^4x smaller
+1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (data.py `arith`) with 10^4x smaller
    budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's lengths and batch.
 2. Compute is counted in device-hours (`gpu_hours`): wall time x devices (trainer + generator GPUs; on CPU the
    machine counts as one device). The paper counts GB200-hours.
@@ -27,6 +27,7 @@ Where it departs from the paper, and why:
 """
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -71,7 +72,9 @@ def setup_distributed():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    # 2 h: the other ranks wait in a collective while rank 0 evaluates (1,000 x 16 samples of 12k tokens on GPUs)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                            timeout=datetime.timedelta(hours=2))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -167,7 +170,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     if ext[2] > -math.inf or not math.isfinite(sums[0]) or not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         s = int(-ext[2]) if ext[2] > -math.inf else None
-        where = f"log-prob in batch sample {s}" if s is not None else "loss or gradient"
+        where = f"log-prob or loss in batch sample {s}" if s is not None else "loss or gradient"
         raise FloatingPointError(f"non-finite {where} (loss {sums[0]:.4g}, grad norm {grad_norm:.4g})")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -220,8 +223,14 @@ def main(args: Args) -> None:
     master = rank == 0
     cuda = device.type == "cuda"
     # ---- run directory: resolved args and what produced them; a resumed run keeps its directory
-    run_dir = args.resume or args.run_dir or os.path.join(
-        "runs", f"{os.path.basename(args.model)}-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = [args.resume or args.run_dir or os.path.join(
+        "runs", f"{os.path.basename(args.model)}-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    dist.broadcast_object_list(run_dir)  # rank 0's name: the clock may tick between ranks
+    run_dir = run_dir[0]
+    if args.resume and not os.path.exists(os.path.join(run_dir, "state.json")):
+        raise SystemExit(f"train.py: --resume {run_dir}: no checkpoint there (state.json) to resume from")
+    if not args.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise SystemExit(f"train.py: {run_dir} already holds a run; --resume {run_dir} continues it")
     if master:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -237,6 +246,7 @@ def main(args: Args) -> None:
     path = path[0]
     tokenizer = AutoTokenizer.from_pretrained(path)
     thinking = len(tokenizer.encode("</think>", add_special_tokens=False)) == 1  # a thinking chat format (Qwen3)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0  # masked
     prompts = data.load_prompts(args.data, tokenizer, thinking=thinking, max_prompt_len=args.max_prompt_len,
                                 question_key=args.question_key, answer_key=args.answer_key, seed=args.seed)
     for turn in (master, not master):  # rank 0 draws (or, resuming, restores) the held-out split; the others read it
@@ -248,7 +258,9 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
     n_params = sum(p.numel() for p in lm.parameters())
-    policy = Policy(lm, args.fp32_head)
+    if args.activation_checkpointing:  # before fully_shard, as torchtitan applies it
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = Policy(lm, args.fp32_head).train()  # train mode: HF checkpoints layers only while training; no dropout
     policy.to(device)
     shard(policy, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -270,10 +282,10 @@ def main(args: Args) -> None:
     start_dir = None
     if args.resume:
         start_dir = tempfile.mkdtemp(prefix="resume_", dir=run_dir) if master else None
-        if master:
-            for f in os.listdir(path):
-                if not f.endswith(".safetensors") and os.path.isfile(os.path.join(path, f)):
-                    shutil.copy(os.path.join(path, f), start_dir)
+        if master:  # config, tokenizer and generation config beside the exported weights (a hub id has no dir)
+            lm.config.save_pretrained(start_dir)
+            lm.generation_config.save_pretrained(start_dir)
+            tokenizer.save_pretrained(start_dir)
         checkpoint.export_weights(policy, start_dir, gen_dtype)
     pipe = None
     if master:
@@ -283,7 +295,7 @@ def main(args: Args) -> None:
                               phrase=args.phrase, temperature=args.temperature, seed=args.seed + step,
                               dtype=str(gen_dtype).removeprefix("torch."), max_model_len=args.max_model_len,
                               gpus=args.generator_gpus, tensor_parallel_size=args.tensor_parallel_size,
-                              data_parallel_size=len(args.generator_gpus or [0]) // args.tensor_parallel_size,
+                              data_parallel_size=max(1, len(args.generator_gpus or []) // args.tensor_parallel_size),
                               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
                               max_num_seqs=max(256, 2 * args.prompts_per_step * args.group_size),
                               interruptions=args.interruptions, fp32_head=args.fp32_head)
@@ -303,6 +315,7 @@ def main(args: Args) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)  # torchrun passes Ctrl-C on to its workers as SIGTERM
     metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if master else None
     samples_f = open(os.path.join(run_dir, "samples.jsonl"), "a") if master else None
 
@@ -354,7 +367,7 @@ def main(args: Args) -> None:
                 m["train/reward"] = float(np.mean([r for g in batch.groups for r in g.rewards]))
                 m["filter/zero_var_frac"] = 1 - len(kept) / len(batch.groups)
                 m["filter/active_prompts"] = pool.num_active
-                payload = [collate(kept, tokenizer.pad_token_id, args)]
+                payload = [collate(kept, pad_id, args)]
                 for g in batch.groups[: args.log_samples]:
                     samples_f.write(json.dumps({"step": step + 1, "split": "train", "prompt": g.prompt.index,
                                                 "text": g.completions[0].text, "gold": g.prompt.gold,
@@ -405,13 +418,15 @@ def main(args: Args) -> None:
         if master and step == args.steps:
             print(json.dumps(final_fit(run_dir, history)), flush=True)
         sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if master:
+        if master and step == args.steps:
             export = os.path.join(run_dir, "final")
             lm.save_pretrained(export, state_dict={k.removeprefix("lm."): v for k, v in sd.items()})
             tokenizer.save_pretrained(export)
     finally:
         if pipe is not None:
             pipe.close()
+        if start_dir is not None:
+            shutil.rmtree(start_dir, ignore_errors=True)
         for f in (metrics_f, samples_f):
             if f is not None:
                 f.close()
