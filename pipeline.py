@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 import generate
 import reward
@@ -202,15 +203,16 @@ class Pipeline:
             self._poke(self._publish_event)
 
     def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None,
-                 greedy: bool = False):
+                 greedy: bool = False, progress: bool = False):
         """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
         metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
         eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
         interrupted, truncated, version). temperature 0 is greedy; greedy=True adds one greedy sample per prompt,
         reported as eval/greedy_pass_rate (not in records, not in eval/pass_rate). No new training group starts
         while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
-        go stale meanwhile. Raises the sampler's or reward's errors, TimeoutError after `timeout` s."""
-        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature, greedy), self.loop)
+        go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Raises the sampler's or reward's
+        errors, TimeoutError after `timeout` s."""
+        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature, greedy, progress), self.loop)
         try:
             return future.result(timeout)
         except BaseException:
@@ -327,19 +329,26 @@ class Pipeline:
                 self._cv.notify_all()
             self._wake.set()
 
-    async def _evaluate(self, prompts, n, temperature, greedy):
+    async def _evaluate(self, prompts, n, temperature, greedy, progress):
         while self._applied < self._released:
             with self._cv:
                 self._check()
             await asyncio.sleep(0.05)
         version, loop = self._applied, asyncio.get_running_loop()
         jobs = [(p, n, temperature) for p in prompts] + [(p, 1, 0.0) for p in prompts if greedy]
+        bar = tqdm(total=len(jobs), desc=f"eval (version {version})", unit="prompt", leave=False, disable=not progress)
+
+        async def sample(p, k, t):
+            g = await self.sampler.generate(p.prompt_ids, n=k, thinking=p.thinking, temperature=t)
+            bar.update()
+            return g
+
         with self._cv:
             self._evaluating += 1
         try:
-            groups = await asyncio.gather(*[self.sampler.generate(p.prompt_ids, n=k, thinking=p.thinking,
-                                                                  temperature=t) for p, k, t in jobs])
+            groups = await asyncio.gather(*[sample(*job) for job in jobs])
         finally:
+            bar.close()
             with self._cv:
                 self._evaluating -= 1
             self._wake.set()

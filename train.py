@@ -235,8 +235,9 @@ def main(args: Args) -> None:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "resume": None}, f, indent=1)
+        meta = checkpoint.run_metadata(world)
         with open(os.path.join(run_dir, "meta.json"), "w") as f:
-            json.dump(checkpoint.run_metadata(world), f, indent=1)
+            json.dump(meta, f, indent=1)
     # ---- model, tokenizer, prompts (the tiny model is built once and cached; rank 0 builds, others wait)
     path = args.path
     if path is None and master:
@@ -303,6 +304,12 @@ def main(args: Args) -> None:
                                  prompts_per_batch=round(args.prompts_per_step * args.batch_scale),
                                  max_lag=args.max_lag, mode=args.async_mode, sampler_kwargs=sampler_kwargs,
                                  version=step)
+    if master:  # what this run is, in one line (args.json and meta.json hold the rest)
+        P = round(args.prompts_per_step * args.batch_scale)
+        print(f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "
+              f"rank(s) on {device.type} | {path}: {n_params / 1e6:.2f}M params | {args.data}: {len(train_prompts)} "
+              f"train, {len(eval_prompts)} held-out prompts | {P} prompts x {args.group_size} = "
+              f"{P * args.group_size} rollouts per step | recipe {args.recipe}", flush=True)
     if args.wandb_project and master:
         import wandb
 
@@ -324,7 +331,7 @@ def main(args: Args) -> None:
         m = {}
         if master:
             # the paper's metric: eval_n samples at the training temperature; greedy is logged beside it, never fitted
-            m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True)
+            m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True, progress=True)
             for r in records[: args.log_samples]:
                 samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
