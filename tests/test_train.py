@@ -37,7 +37,8 @@ def metrics(run_dir):
 # ---- flags, recipes, bad input (no engine) ----
 
 def test_recipes_set_the_papers_flags_and_explicit_flags_win():
-    a = config.parse_args([])
+    a = config.Args()  # ScaleRL's choices; the tiny preset (the default --model) changes only k, to 2
+    assert config.parse_args([]).max_lag == 2 and config.parse_args(["--model", "qwen3-8b"]).max_lag == 8
     assert (a.loss, a.agg, a.adv_norm, a.async_mode, a.max_lag, a.zero_var_filter, a.prompt_sampling,
             a.npr_threshold, a.fp32_head, a.interruptions, a.adam_eps, a.weight_decay) == (
         "cispo", "prompt", "batch", "pipeline", 8, True, "no_positive", 0.9, True, True, 1e-15, 0.01)  # §4, A.3
