@@ -97,7 +97,7 @@ class Args:
     path: str | None = None
     """weights to start from (default: the preset's; `tiny` builds its own)"""
     generator_gpus: list[int] | None = None
-    """GPUs for vLLM (default: those torchrun does not use, else rank 0's GPU, shared)"""
+    """GPUs for vLLM, tp x dp of them (default: rank 0's GPU, shared with its trainer)"""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism; generator_gpus = tp * dp GPUs"""
     gpu_memory_utilization: float | None = None
@@ -192,6 +192,8 @@ def parse_args(argv=None) -> Args:
     pre.add_argument("--resume", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.resume:
+        if not os.path.exists(os.path.join(known.resume, "state.json")):
+            raise SystemExit(f"train.py: --resume {known.resume}: no checkpoint there (state.json) to resume from")
         with open(os.path.join(known.resume, "args.json")) as f:
             default = Args(**{**json.load(f), "resume": known.resume})
     else:
@@ -220,6 +222,8 @@ def validate(args: Args, world: int) -> None:
                                      f"phrase + answer_budget = {need}"),
         (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
         (args.group_size % world == 0, f"--group-size {args.group_size} must divide across {world} ranks"),
+        (len(args.generator_gpus or []) % args.tensor_parallel_size == 0,
+         f"--generator-gpus {args.generator_gpus}: a multiple of --tensor-parallel-size {args.tensor_parallel_size}"),
         (args.max_lag >= 0 and args.temperature > 0 and args.lr > 0, "--max-lag >= 0, --temperature, --lr > 0"),
         (args.path is None or "/" in args.path and not args.path.startswith((".", "/")) or os.path.isdir(args.path),
          f"model directory {args.path!r} does not exist"),

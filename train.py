@@ -1,8 +1,8 @@
 """ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4), composed from the pure modules.
 
-    python train.py                                     # tiny embedded model on CPU, ~15 min, no download
+    python train.py                                     # tiny embedded model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20     # the same with FSDP2 over 2 CPU ranks (gloo)
-    torchrun --nproc_per_node 8 train.py --model qwen3-8b --generator-gpus 8 9 10 11
+    torchrun --nproc_per_node 8 train.py --model qwen3-8b   # the paper's scale; vLLM shares rank 0's GPU
     python train.py --recipe loo-dapo                   # one of the paper's compared recipes / ablations
     python train.py --resume runs/NAME                  # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X # the sigmoid fit of a finished run
@@ -227,8 +227,6 @@ def main(args: Args) -> None:
         "runs", f"{os.path.basename(args.model)}-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")]
     dist.broadcast_object_list(run_dir)  # rank 0's name: the clock may tick between ranks
     run_dir = run_dir[0]
-    if args.resume and not os.path.exists(os.path.join(run_dir, "state.json")):
-        raise SystemExit(f"train.py: --resume {run_dir}: no checkpoint there (state.json) to resume from")
     if not args.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise SystemExit(f"train.py: {run_dir} already holds a run; --resume {run_dir} continues it")
     if master:

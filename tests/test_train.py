@@ -63,10 +63,23 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
     (["--group-size", "5"], 2, "must divide across 2 ranks"),
     (["--think-budget", "400", "480"], 1, "--max-model-len 512"),
     (["--think-budget", "50", "40"], 1, "needs 0 < lo <= hi"),
+    (["--generator-gpus", "4", "5", "6", "--tensor-parallel-size", "2"], 1, "a multiple of --tensor-parallel-size 2"),
 ])
 def test_bad_input_fails_before_any_work(argv, world, match):
     with pytest.raises(SystemExit, match=match):
         config.validate(config.parse_args(argv), world)
+
+
+def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "empty").mkdir()
+    for argv, match in ((["--run-dir", str(tmp_path / "old")], "already holds a run"),
+                        (["--resume", str(tmp_path / "empty")], "no checkpoint there")):
+        out = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode != 0 and match in out.stderr, out.stderr[-2000:]
+    assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
