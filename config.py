@@ -81,7 +81,7 @@ class Args:
     """optimizer steps in all"""
     eval_every: int = 8
     """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the end"""
-    eval_size: int = 64
+    eval_size: int = 96
     """held-out prompts (paper: 1,000), removed from training"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
