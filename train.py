@@ -286,7 +286,7 @@ def main(args: Args) -> None:
             lm.generation_config.save_pretrained(start_dir)
             tokenizer.save_pretrained(start_dir)
         checkpoint.export_weights(policy, start_dir, gen_dtype)
-    pipe = None
+    pipe, P = None, round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
     if master:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's processes: warnings and errors only
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
@@ -299,11 +299,10 @@ def main(args: Args) -> None:
                               max_num_seqs=max(256, 2 * args.prompts_per_step * args.group_size),
                               interruptions=args.interruptions, fp32_head=args.fp32_head)
         pipe = pipeline.Pipeline(start_dir or path, train_prompts, pool, group_size=args.group_size,
-                                 prompts_per_batch=round(args.prompts_per_step * args.batch_scale),
+                                 prompts_per_batch=P,
                                  max_lag=args.max_lag, mode=args.async_mode, sampler_kwargs=sampler_kwargs,
                                  version=step)
-    if master:  # what this run is, in one line (args.json and meta.json hold the rest)
-        P = round(args.prompts_per_step * args.batch_scale)
+        # what this run is, in one line (args.json and meta.json hold the rest)
         print(f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "
               f"rank(s) on {device.type} | {path}: {n_params / 1e6:.2f}M params | {args.data}: {len(train_prompts)} "
               f"train, {len(eval_prompts)} held-out prompts | {P} prompts x {args.group_size} = "
