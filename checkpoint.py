@@ -34,7 +34,9 @@ def export_weights(policy: torch.nn.Module, out_dir: str | None, dtype: torch.dt
     """Gather `train.Policy`'s full, unsharded weights (a collective: every rank calls it) and, on rank 0, save them to
     `out_dir/model.safetensors` under the Hugging Face names vLLM reloads; a tied head is saved once, as the
     input embedding. FSDP2 DTensors and plain tensors alike (StateDictOptions(full_state_dict=True))."""
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(
+        policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if out_dir is None:
         return
     sd = {k.removeprefix("lm."): v.to(dtype).contiguous() for k, v in sd.items()}
@@ -52,7 +54,9 @@ def save_checkpoint(run_dir: str, step: int, policy, optimizer, state: dict) -> 
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(run_dir, "state.json.tmp"), "w") as f:
-            json.dump({**state, "step": step, "checkpoint": os.path.basename(path)}, f)  # run_dir-relative
+            json.dump(
+                {**state, "step": step, "checkpoint": os.path.basename(path)}, f
+            )  # run_dir-relative
         os.replace(os.path.join(run_dir, "state.json.tmp"), os.path.join(run_dir, "state.json"))
         for old in os.listdir(os.path.dirname(path)):
             if old != os.path.basename(path):
@@ -94,12 +98,28 @@ def run_metadata(world: int) -> dict:
     import vllm
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     cuda = torch.cuda.is_available()
-    return {"commit": commit, "argv": sys.argv, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "vllm": vllm.__version__, "world_size": world,
-            "host": platform.node(), "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
+    return {
+        "commit": commit,
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm": vllm.__version__,
+        "world_size": world,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda
+        else [],
+    }

@@ -24,37 +24,100 @@ import generate
 ARITH_THINK_BUDGET = data.ARITH_THINK_BUDGET  # Args has a field named `data`
 # --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets the "hf" row.
 # Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k answer).
-PAPER_GEN = dict(think_budget=(10240, 12288), answer_budget=2048, max_prompt_len=2048, max_model_len=16384 + 128,
-                 prompts_per_step=48, group_size=16, eval_size=1000, eval_n=16, eval_every=100, save_every=100,
-                 warmup_steps=100, steps=5000, micro_batch_size=1, activation_checkpointing=True, data="polaris",
-                 temperature=1.0)
+PAPER_GEN = dict(
+    think_budget=(10240, 12288),
+    answer_budget=2048,
+    max_prompt_len=2048,
+    max_model_len=16384 + 128,
+    prompts_per_step=48,
+    group_size=16,
+    eval_size=1000,
+    eval_n=16,
+    eval_every=100,
+    save_every=100,
+    warmup_steps=100,
+    steps=5000,
+    micro_batch_size=1,
+    activation_checkpointing=True,
+    data="polaris",
+    temperature=1.0,
+)
 PRESETS = {
     # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), but k = 2: here the trainer,
     # not the sampler, is the slow side, so k = 8 would only make every batch 8 steps stale (measured: the sampled
     # pass rate then drifted instead of rising); k needs to be just large enough to hide generation
     "tiny": dict(max_lag=2),
-    "smollm2-135m": dict(path=None, data="gsm8k", think_budget=(1, 1), answer_budget=256, max_prompt_len=256,
-                         max_model_len=640, prompts_per_step=4, group_size=4, lr=1e-6, temperature=1.0, steps=100,
-                         eval_every=10, eval_size=8, eval_n=2, save_every=50, warmup_steps=10, micro_batch_size=4,
-                         kv_cache_gib=0.5, gen_dtype="float32"),
+    "smollm2-135m": dict(
+        path=None,
+        data="gsm8k",
+        think_budget=(1, 1),
+        answer_budget=256,
+        max_prompt_len=256,
+        max_model_len=640,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-6,
+        temperature=1.0,
+        steps=100,
+        eval_every=10,
+        eval_size=8,
+        eval_n=2,
+        save_every=50,
+        warmup_steps=10,
+        micro_batch_size=4,
+        kv_cache_gib=0.5,
+        gen_dtype="float32",
+    ),
     "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, gpu_memory_utilization=0.5),
     "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, gpu_memory_utilization=0.5),
     "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, gpu_memory_utilization=0.6),
-    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, gpu_memory_utilization=0.6),  # paper A.3: 5e-7
+    "qwen3-8b": dict(
+        PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, gpu_memory_utilization=0.6
+    ),  # paper A.3: 5e-7
     "hf": dict(PAPER_GEN, path=None, lr=1e-6, gpu_memory_utilization=0.6),
 }
 # --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
 # settings on top of ScaleRL. A flag given on the command line wins over the recipe.
 RECIPES = {
     "scalerl": {},
-    "deepseek-grpo": dict(loss="grpo", eps_low=0.2, eps_high=0.2, agg="sample", adv_norm="prompt", async_mode="ppo",
-                          zero_var_filter=False, prompt_sampling="uniform", fp32_head=False),
-    "qwen2.5-dapo": dict(loss="dapo", eps_low=0.2, eps_high=0.26, agg="prompt", adv_norm="prompt", async_mode="ppo",
-                         prompt_sampling="uniform", fp32_head=False, batch_scale=80 / 48),
-    "magistral": dict(loss="dapo", eps_low=0.2, eps_high=0.26, agg="prompt", adv_norm="prompt",
-                      prompt_sampling="uniform", fp32_head=False),
-    "minimax": dict(agg="prompt", adv_norm="prompt", async_mode="ppo", prompt_sampling="uniform",
-                    batch_scale=80 / 48),
+    "deepseek-grpo": dict(
+        loss="grpo",
+        eps_low=0.2,
+        eps_high=0.2,
+        agg="sample",
+        adv_norm="prompt",
+        async_mode="ppo",
+        zero_var_filter=False,
+        prompt_sampling="uniform",
+        fp32_head=False,
+    ),
+    "qwen2.5-dapo": dict(
+        loss="dapo",
+        eps_low=0.2,
+        eps_high=0.26,
+        agg="prompt",
+        adv_norm="prompt",
+        async_mode="ppo",
+        prompt_sampling="uniform",
+        fp32_head=False,
+        batch_scale=80 / 48,
+    ),
+    "magistral": dict(
+        loss="dapo",
+        eps_low=0.2,
+        eps_high=0.26,
+        agg="prompt",
+        adv_norm="prompt",
+        prompt_sampling="uniform",
+        fp32_head=False,
+    ),
+    "minimax": dict(
+        agg="prompt",
+        adv_norm="prompt",
+        async_mode="ppo",
+        prompt_sampling="uniform",
+        batch_scale=80 / 48,
+    ),
     "loo-plan": dict(adv_norm="prompt"),
     "loo-lp": dict(interruptions=False, length_penalty=True),
     "loo-batch": dict(zero_var_filter=False),
@@ -193,7 +256,9 @@ def parse_args(argv=None) -> Args:
     known, _ = pre.parse_known_args(argv)
     if known.resume:
         if not os.path.exists(os.path.join(known.resume, "state.json")):
-            raise SystemExit(f"train.py: --resume {known.resume}: no checkpoint there (state.json) to resume from")
+            raise SystemExit(
+                f"train.py: --resume {known.resume}: no checkpoint there (state.json) to resume from"
+            )
         with open(os.path.join(known.resume, "args.json")) as f:
             default = Args(**{**json.load(f), "resume": known.resume})
     else:
@@ -201,32 +266,56 @@ def parse_args(argv=None) -> Args:
             raise SystemExit(f"unknown --recipe {known.recipe!r}; choose from {', '.join(RECIPES)}")
         is_path = os.path.sep in known.model or known.model.startswith(".")
         if known.model not in PRESETS and not is_path and "/" not in known.model:
-            raise SystemExit(f"unknown --model {known.model!r}: not a preset ({', '.join(PRESETS)}), a hub id "
-                             f"(org/name) or a directory")
+            raise SystemExit(
+                f"unknown --model {known.model!r}: not a preset ({', '.join(PRESETS)}), a hub id "
+                f"(org/name) or a directory"
+            )
         preset = dict(PRESETS.get(known.model, PRESETS["hf"]))
         if known.model not in PRESETS:
             preset["path"] = known.model
-        default = Args(**{**preset, **RECIPES[known.recipe], "model": known.model, "recipe": known.recipe})
+        default = Args(
+            **{**preset, **RECIPES[known.recipe], "model": known.model, "recipe": known.recipe}
+        )
     return tyro.cli(Args, args=argv, default=default)
 
 
 def validate(args: Args, world: int) -> None:
     """Clear errors before any expensive work (SystemExit naming the flag)."""
     lo, hi = args.think_budget
-    need = args.max_prompt_len + hi + len(args.phrase) + args.answer_budget  # phrase: at most one token per char
+    need = (
+        args.max_prompt_len + hi + len(args.phrase) + args.answer_budget
+    )  # phrase: at most one token per char
     checks = [
-        (args.steps >= 1 and args.eval_every >= 1 and args.eval_size >= 1 and args.eval_n >= 1,
-         "--steps, --eval-every, --eval-size, --eval-n must be >= 1"),
+        (
+            args.steps >= 1 and args.eval_every >= 1 and args.eval_size >= 1 and args.eval_n >= 1,
+            "--steps, --eval-every, --eval-size, --eval-n must be >= 1",
+        ),
         (0 < lo <= hi and args.answer_budget >= 1, f"--think-budget {lo} {hi} needs 0 < lo <= hi"),
-        (need <= args.max_model_len, f"--max-model-len {args.max_model_len} < max_prompt_len + think_budget[1] + "
-                                     f"phrase + answer_budget = {need}"),
+        (
+            need <= args.max_model_len,
+            f"--max-model-len {args.max_model_len} < max_prompt_len + think_budget[1] + "
+            f"phrase + answer_budget = {need}",
+        ),
         (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
-        (args.group_size % world == 0, f"--group-size {args.group_size} must divide across {world} ranks"),
-        (len(args.generator_gpus or []) % args.tensor_parallel_size == 0,
-         f"--generator-gpus {args.generator_gpus}: a multiple of --tensor-parallel-size {args.tensor_parallel_size}"),
-        (args.max_lag >= 0 and args.temperature > 0 and args.lr > 0, "--max-lag >= 0, --temperature, --lr > 0"),
-        (args.path is None or "/" in args.path and not args.path.startswith((".", "/")) or os.path.isdir(args.path),
-         f"model directory {args.path!r} does not exist"),
+        (
+            args.group_size % world == 0,
+            f"--group-size {args.group_size} must divide across {world} ranks",
+        ),
+        (
+            len(args.generator_gpus or []) % args.tensor_parallel_size == 0,
+            f"--generator-gpus {args.generator_gpus}: a multiple of --tensor-parallel-size {args.tensor_parallel_size}",
+        ),
+        (
+            args.max_lag >= 0 and args.temperature > 0 and args.lr > 0,
+            "--max-lag >= 0, --temperature, --lr > 0",
+        ),
+        (
+            args.path is None
+            or "/" in args.path
+            and not args.path.startswith((".", "/"))
+            or os.path.isdir(args.path),
+            f"model directory {args.path!r} does not exist",
+        ),
     ]
     for ok, msg in checks:
         if not ok:

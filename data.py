@@ -29,17 +29,28 @@ from dataclasses import dataclass
 from reward import extract_boxed
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-ARITH_INSTRUCTION = "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
+ARITH_INSTRUCTION = (
+    "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
+)
 ARITH_MAX_ADDS = 9  # the hardest arith item needs this many additions (lines of thinking)
-ARITH_THINK_BUDGET = (80, 94)  # thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73
-ARITH_SIZE = 2000  # RL-pool items that load_prompts("arith") returns (train + held-out), of ~2,570 distinct
+ARITH_THINK_BUDGET = (
+    80,
+    94,
+)  # thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73
+ARITH_SIZE = (
+    2000  # RL-pool items that load_prompts("arith") returns (train + held-out), of ~2,570 distinct
+)
 PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
     "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
     "math500": dict(path="HuggingFaceH4/MATH-500", split="test"),
 }
 QUESTION_KEYS = ("question", "problem", "prompt")
-ANSWER_KEYS = ("final_answer", "answer", "solution")  # cleanest first: MATH-500 rows carry both answer and solution
+ANSWER_KEYS = (
+    "final_answer",
+    "answer",
+    "solution",
+)  # cleanest first: MATH-500 rows carry both answer and solution
 SPLIT_FILE = "heldout.json"
 
 
@@ -47,7 +58,9 @@ SPLIT_FILE = "heldout.json"
 class Prompt:
     """One RL prompt. `prompt_ids` are the templated tokens, produced once here and never re-tokenized."""
 
-    index: int  # position among the valid rows of the source: the stable id the held-out split saves
+    index: (
+        int  # position among the valid rows of the source: the stable id the held-out split saves
+    )
     question: str
     gold: str  # normalised gold answer, the first argument of reward.math_reward
     prompt_ids: tuple[int, ...]
@@ -55,6 +68,7 @@ class Prompt:
 
 
 # ---- arith -----------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ArithItem:
@@ -110,6 +124,7 @@ def arith_solution(item: ArithItem, *, slip: float = 0.0, rng: random.Random | N
 
 # ---- loading ---------------------------------------------------------------------------------------------------
 
+
 def normalize_gold(answer: str) -> str:
     """Gold answer text: after GSM8K's last "####" ("...#### 1,234" -> "1234"), else the last \\boxed{} of a
     solution, else the text itself; stripped, thousands separators dropped from plain numbers. "" when nothing
@@ -131,15 +146,23 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     an unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing local path."""
     if source == "arith":
         rows, seen = [], set()
-        for item, _ in zip(arith_items(seed, "rl"), range(200 * size), strict=False):  # the space is finite
-            if item not in seen:  # unique items, so load_prompts drops no repeats and returns exactly `size`
+        for item, _ in zip(
+            arith_items(seed, "rl"), range(200 * size), strict=False
+        ):  # the space is finite
+            if (
+                item not in seen
+            ):  # unique items, so load_prompts drops no repeats and returns exactly `size`
                 seen.add(item)
                 rows.append({"question": item.question, "answer": item.gold})
                 if len(rows) == size:
                     return rows
-        raise ValueError(f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool")
+        raise ValueError(
+            f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool"
+        )
     ext = os.path.splitext(source)[1].lower()
-    if source in PRESETS or not (os.path.exists(source) or ext or source.startswith((".", "/", "~"))):
+    if source in PRESETS or not (
+        os.path.exists(source) or ext or source.startswith((".", "/", "~"))
+    ):
         import datasets  # the hub: only where it is reachable, never in tests
 
         return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
@@ -152,14 +175,18 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
         with open(source) as f:
             rows = json.load(f)
         if not isinstance(rows, list):
-            raise ValueError(f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}")
+            raise ValueError(
+                f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}"
+            )
         return rows
     if ext == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(source).to_pylist()
-    raise ValueError(f"{source}: unknown data format {ext!r} (use .jsonl, .json, .parquet, a preset "
-                     f"{sorted(PRESETS) + ['arith']} or a hub id)")
+    raise ValueError(
+        f"{source}: unknown data format {ext!r} (use .jsonl, .json, .parquet, a preset "
+        f"{sorted(PRESETS) + ['arith']} or a hub id)"
+    )
 
 
 def _json_or_text(line: str):
@@ -169,8 +196,16 @@ def _json_or_text(line: str):
         return line
 
 
-def build_prompts(rows: list, tokenizer, *, thinking: bool, max_prompt_len: int, question_key: str | None = None,
-                  answer_key: str | None = None, instruction: str = INSTRUCTION) -> tuple[list["Prompt"], Counter]:
+def build_prompts(
+    rows: list,
+    tokenizer,
+    *,
+    thinking: bool,
+    max_prompt_len: int,
+    question_key: str | None = None,
+    answer_key: str | None = None,
+    instruction: str = INSTRUCTION,
+) -> tuple[list["Prompt"], Counter]:
     """Validate `rows`, map columns, normalise golds, template and tokenize; returns (prompts, skipped-by-reason).
 
     Column names: `question_key` / `answer_key` if given, else the first of QUESTION_KEYS / ANSWER_KEYS that any
@@ -199,10 +234,18 @@ def build_prompts(rows: list, tokenizer, *, thinking: bool, max_prompt_len: int,
         else:
             seen.add(q)
             valid.append((q, normalize_gold(a)))
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],
-                                           tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
-             for q, _ in valid]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # the template holds the specials
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+        for q, _ in valid
+    ]
+    ids = (
+        tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    )  # the template holds the specials
     prompts = []
     for (q, gold), p in zip(valid, ids, strict=True):
         if len(p) > max_prompt_len:
@@ -212,9 +255,18 @@ def build_prompts(rows: list, tokenizer, *, thinking: bool, max_prompt_len: int,
     return prompts, skipped
 
 
-def load_prompts(source: str, tokenizer, *, thinking: bool, max_prompt_len: int, question_key: str | None = None,
-                 answer_key: str | None = None, instruction: str | None = None, size: int = ARITH_SIZE,
-                 seed: int = 0) -> list[Prompt]:
+def load_prompts(
+    source: str,
+    tokenizer,
+    *,
+    thinking: bool,
+    max_prompt_len: int,
+    question_key: str | None = None,
+    answer_key: str | None = None,
+    instruction: str | None = None,
+    size: int = ARITH_SIZE,
+    seed: int = 0,
+) -> list[Prompt]:
     """Prompts from `source` ("arith", a preset, a .jsonl/.json/.parquet path, or a hub id), every row validated.
 
     Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
@@ -223,41 +275,64 @@ def load_prompts(source: str, tokenizer, *, thinking: bool, max_prompt_len: int,
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
-    prompts, skipped = build_prompts(rows, tokenizer, thinking=thinking, max_prompt_len=max_prompt_len,
-                                     question_key=question_key, answer_key=answer_key, instruction=instruction)
+    prompts, skipped = build_prompts(
+        rows,
+        tokenizer,
+        thinking=thinking,
+        max_prompt_len=max_prompt_len,
+        question_key=question_key,
+        answer_key=answer_key,
+        instruction=instruction,
+    )
     reasons = ", ".join(f"{n} {why}" for why, n in skipped.most_common()) or "none"
     if not prompts:
-        raise ValueError(f"{source}: no valid rows out of {len(rows)} (skipped: {reasons}); see --question-key / "
-                         f"--answer-key and --max-prompt-len")
+        raise ValueError(
+            f"{source}: no valid rows out of {len(rows)} (skipped: {reasons}); see --question-key / "
+            f"--answer-key and --max-prompt-len"
+        )
     print(f"data: {len(prompts)} prompts from {source} (skipped: {reasons})")
     return prompts
 
 
 # ---- held-out split --------------------------------------------------------------------------------------------
 
-def split_heldout(prompts: list[Prompt], eval_size: int, *, seed: int, run_dir: str | None = None
-                  ) -> tuple[list[Prompt], list[Prompt]]:
+
+def split_heldout(
+    prompts: list[Prompt], eval_size: int, *, seed: int, run_dir: str | None = None
+) -> tuple[list[Prompt], list[Prompt]]:
     """(train, heldout): `eval_size` prompts chosen at random by `seed` and removed from training (paper A.5: 1,000).
 
     With `run_dir`, the split is saved there (heldout.json: indices and a fingerprint of the questions) and, when
     that file already exists (a resumed run), restored from it instead of drawn. Raises ValueError when eval_size
     leaves no training prompt, or when the saved split belongs to a different dataset."""
     if not 0 <= eval_size < len(prompts):
-        raise ValueError(f"eval_size={eval_size} must be in [0, {len(prompts)}) for {len(prompts)} prompts")
+        raise ValueError(
+            f"eval_size={eval_size} must be in [0, {len(prompts)}) for {len(prompts)} prompts"
+        )
     fingerprint = zlib.crc32("\0".join(p.question for p in prompts).encode())
     path = os.path.join(run_dir, SPLIT_FILE) if run_dir else None
     if path and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
         if saved["fingerprint"] != fingerprint or saved["n_prompts"] != len(prompts):
-            raise ValueError(f"{path} was saved for a different dataset ({saved['n_prompts']} prompts); resume with "
-                             f"the same --data, or start a new run directory")
+            raise ValueError(
+                f"{path} was saved for a different dataset ({saved['n_prompts']} prompts); resume with "
+                f"the same --data, or start a new run directory"
+            )
         held = set(saved["heldout"])
     else:
         held = set(random.Random(seed).sample(range(len(prompts)), eval_size))
         if path:
             os.makedirs(run_dir, exist_ok=True)
             with open(path + ".tmp", "w") as f:
-                json.dump(dict(seed=seed, n_prompts=len(prompts), fingerprint=fingerprint, heldout=sorted(held)), f)
+                json.dump(
+                    dict(
+                        seed=seed,
+                        n_prompts=len(prompts),
+                        fingerprint=fingerprint,
+                        heldout=sorted(held),
+                    ),
+                    f,
+                )
             os.replace(path + ".tmp", path)  # never a half-written split
     return [p for p in prompts if p.index not in held], [p for p in prompts if p.index in held]

@@ -31,12 +31,18 @@ def zero_variance_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     (computed in float64) below ZERO_STD counts as zero. Raises ValueError on mismatched or non-1-D shapes."""
     rewards, group_ids = torch.as_tensor(rewards), torch.as_tensor(group_ids)
     if rewards.dim() != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (S,)")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (S,)"
+        )
     uniq, inv = torch.unique(group_ids, return_inverse=True)  # inv: (S,) group index in 0..P-1
     r = rewards.to(torch.float64)
-    count = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))  # (P,) samples
+    count = torch.zeros(len(uniq), dtype=torch.float64).index_add_(
+        0, inv, torch.ones_like(r)
+    )  # (P,) samples
     mean = torch.zeros_like(count).index_add_(0, inv, r) / count  # (P,)
-    var = torch.zeros_like(count).index_add_(0, inv, (r - mean[inv]) ** 2) / count  # (P,) population variance
+    var = (
+        torch.zeros_like(count).index_add_(0, inv, (r - mean[inv]) ** 2) / count
+    )  # (P,) population variance
     return (var.sqrt() >= ZERO_STD)[inv]
 
 
@@ -47,7 +53,9 @@ def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch
     max_len, -1 beyond (paper: L_max 14k, L_cache 2k). The caller adds it to the reward of correct traces only
     (A.10). Raises ValueError unless 0 < cache_len <= max_len."""
     if not 0 < cache_len <= max_len:
-        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(
+            f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
+        )
     lengths = torch.as_tensor(lengths, dtype=torch.float64)
     return ((max_len - lengths) / cache_len - 1).clamp(-1.0, 0.0).to(torch.float32)  # A.10 Eq. 9
 
@@ -62,7 +70,9 @@ class PromptPool:
     str ("9/10") or a Fraction. `policy="uniform"` records the history but never retires (the LOO baseline).
     Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`."""
 
-    def __init__(self, n_prompts: int, threshold: float = 0.9, policy: str = "no_positive", seed: int = 0):
+    def __init__(
+        self, n_prompts: int, threshold: float = 0.9, policy: str = "no_positive", seed: int = 0
+    ):
         if n_prompts < 1 or seed < 0:
             raise ValueError(f"need n_prompts >= 1 and seed >= 0, got {n_prompts}, {seed}")
         if policy not in ("no_positive", "uniform"):
@@ -97,8 +107,10 @@ class PromptPool:
         is retired (the policy solves the whole training set at the threshold: nothing left to learn from)."""
         with self._lock:
             if not self.num_active:
-                raise RuntimeError(f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
-                                   f"{float(self.threshold)}); nothing left to sample")
+                raise RuntimeError(
+                    f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
+                    f"{float(self.threshold)}); nothing left to sample"
+                )
             while True:
                 if self._pos == self.n_prompts:  # epoch boundary: reshuffle
                     self._epoch, self._pos = self._epoch + 1, 0
@@ -113,14 +125,22 @@ class PromptPool:
         the prompt when n_correct / n_total >= threshold (exact integers). The group itself still trains this step:
         the caller already holds it. Integer-like arguments (numpy, 0-d torch) are taken as ints; a float raises
         TypeError. Raises ValueError on an unknown index or impossible counts."""
-        idx, n_correct, n_total = operator.index(idx), operator.index(n_correct), operator.index(n_total)  # ints
+        idx, n_correct, n_total = (
+            operator.index(idx),
+            operator.index(n_correct),
+            operator.index(n_total),
+        )  # ints
         if not (0 <= idx < self.n_prompts and 0 <= n_correct <= n_total and n_total > 0):
-            raise ValueError(f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct")
+            raise ValueError(
+                f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct"
+            )
         with self._lock:
             self._correct[idx] += n_correct
             self._total[idx] += n_total
             t = self.threshold
-            if self.policy == "no_positive" and n_correct * t.denominator >= t.numerator * n_total:  # §3.2
+            if (
+                self.policy == "no_positive" and n_correct * t.denominator >= t.numerator * n_total
+            ):  # §3.2
                 self._retired.add(idx)
 
     def stats(self) -> dict[str, float]:
@@ -128,22 +148,35 @@ class PromptPool:
         all recorded rollouts."""
         with self._lock:
             total = sum(self._total)
-            return {"filter/active": self.num_active, "filter/retired": len(self._retired), "filter/epoch": self._epoch,
-                    "filter/seen": sum(t > 0 for t in self._total),
-                    "filter/pass_rate": sum(self._correct) / total if total else 0.0}
+            return {
+                "filter/active": self.num_active,
+                "filter/retired": len(self._retired),
+                "filter/epoch": self._epoch,
+                "filter/seen": sum(t > 0 for t in self._total),
+                "filter/pass_rate": sum(self._correct) / total if total else 0.0,
+            }
 
     def state_dict(self) -> dict:
         """JSON-serialisable state: position in the epoch's order, retired prompts, per-prompt history."""
         with self._lock:
-            return {"n_prompts": self.n_prompts, "seed": self.seed, "epoch": self._epoch, "pos": self._pos,
-                    "retired": sorted(self._retired), "correct": list(self._correct), "total": list(self._total)}
+            return {
+                "n_prompts": self.n_prompts,
+                "seed": self.seed,
+                "epoch": self._epoch,
+                "pos": self._pos,
+                "retired": sorted(self._retired),
+                "correct": list(self._correct),
+                "total": list(self._total),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; threshold and policy stay as constructed. Raises ValueError when the
         state belongs to a different pool (n_prompts or seed differ), since the sequence could not continue."""
         if (state["n_prompts"], state["seed"]) != (self.n_prompts, self.seed):
-            raise ValueError(f"state is for n_prompts={state['n_prompts']}, seed={state['seed']}; this pool has "
-                             f"n_prompts={self.n_prompts}, seed={self.seed}")
+            raise ValueError(
+                f"state is for n_prompts={state['n_prompts']}, seed={state['seed']}; this pool has "
+                f"n_prompts={self.n_prompts}, seed={self.seed}"
+            )
         with self._lock:
             self._epoch, self._pos = state["epoch"], state["pos"]
             self._order = self._permutation(self._epoch)

@@ -72,22 +72,32 @@ def _validate(C, R, R0, c_min):
     """The checks every fit needs; drops C < c_min (A.5 step 1). Returns float64 (C, R) of the fit points."""
     C, R = np.asarray(C, dtype=np.float64), np.asarray(R, dtype=np.float64)
     if C.ndim != 1 or C.shape != R.shape:
-        raise ValueError(f"C and R must be 1-D and equally long, got shapes {C.shape} and {R.shape}")
+        raise ValueError(
+            f"C and R must be 1-D and equally long, got shapes {C.shape} and {R.shape}"
+        )
     if not (np.isfinite(C).all() and np.isfinite(R).all() and math.isfinite(R0)):
-        raise ValueError(f"NaN or inf in C, R or R0 (indices {np.flatnonzero(~np.isfinite(C + R)).tolist()})")
+        raise ValueError(
+            f"NaN or inf in C, R or R0 (indices {np.flatnonzero(~np.isfinite(C + R)).tolist()})"
+        )
     if np.any(C < 0):
         raise ValueError(f"negative compute at indices {np.flatnonzero(C < 0).tolist()}")
     C, R = C[C >= c_min], R[C >= c_min]
     if np.any(C == 0):
-        raise ValueError("compute 0 is outside the curve's domain (ln C): that eval is R0; drop it or raise c_min")
+        raise ValueError(
+            "compute 0 is outside the curve's domain (ln C): that eval is R0; drop it or raise c_min"
+        )
     if np.unique(C).size < 4:
-        raise ValueError(f"{np.unique(C).size} distinct compute values at C >= c_min={c_min}; need at least 4")
+        raise ValueError(
+            f"{np.unique(C).size} distinct compute values at C >= c_min={c_min}; need at least 4"
+        )
     if not R0 < 1:
         raise ValueError(f"R0={R0} must be below 1, the largest possible A")
     if np.ptp(R) <= 1e-12 * max(1.0, np.abs(R).max()):
         raise ValueError(f"R is flat ({R[0]:.6g} everywhere): no curve to fit")
     if np.cov(np.log(C), R)[0, 1] <= 0:  # least-squares trend of R against ln C
-        raise ValueError("R does not increase with compute (trend against ln C <= 0): Eq. 1 cannot fit it")
+        raise ValueError(
+            "R does not increase with compute (trend against ln C <= 0): Eq. 1 cannot fit it"
+        )
     return C, R
 
 
@@ -97,16 +107,41 @@ def _lsq(res, jac, starts, lo, hi):
     errors from the covariance sse / (n - k) (J^T J)^-1 (what curve_fit reports)."""
     best = None
     for p0 in starts:
-        p0 = np.clip(p0, np.add(lo, 1e-9), np.subtract(hi, 1e-9))  # trf starts strictly inside the bounds
-        out = least_squares(res, p0, jac=jac, bounds=(lo, hi), method="trf", x_scale="jac", ftol=1e-15,
-                            xtol=1e-15, gtol=1e-15, max_nfev=1000)
+        p0 = np.clip(
+            p0, np.add(lo, 1e-9), np.subtract(hi, 1e-9)
+        )  # trf starts strictly inside the bounds
+        out = least_squares(
+            res,
+            p0,
+            jac=jac,
+            bounds=(lo, hi),
+            method="trf",
+            x_scale="jac",
+            ftol=1e-15,
+            xtol=1e-15,
+            gtol=1e-15,
+            max_nfev=1000,
+        )
         best = out if best is None or out.cost < best.cost else best
     J = best.jac
     sv = np.linalg.svd(J, compute_uv=False)
     se = np.sqrt(np.diag(np.linalg.pinv(J.T @ J)) * 2 * best.cost / max(len(J) - J.shape[1], 1))
-    return best, [m for bad, m in ((best.status <= 0, f"optimizer stopped: {best.message}"),
-                                   (sv[-1] <= RANK_TOL * sv[0], "singular Jacobian (infinite covariance): "
-                                    "the data do not determine the parameters")) if bad], se
+    return (
+        best,
+        [
+            m
+            for bad, m in (
+                (best.status <= 0, f"optimizer stopped: {best.message}"),
+                (
+                    sv[-1] <= RANK_TOL * sv[0],
+                    "singular Jacobian (infinite covariance): "
+                    "the data do not determine the parameters",
+                ),
+            )
+            if bad
+        ],
+        se,
+    )
 
 
 def _fit_fast(C, R, R0, A=None, p0=None) -> SigmoidFit:
@@ -118,13 +153,24 @@ def _fit_fast(C, R, R0, A=None, p0=None) -> SigmoidFit:
     if p0 is None:
         Bs, ms = np.geomspace(0.25, 64.0, 17) / w, np.linspace(u.min() - 2 * w, u.max() + 2 * w, 41)
         s = expit(Bs[:, None, None] * (u - ms[:, None]))  # (17, 41, n)
-        a = np.full(s.shape[:2], A - R0) if fixed else np.clip(  # (17, 41) least-squares A - R0, in bounds
-            (s * r).sum(-1) / np.maximum((s * s).sum(-1), 1e-300), 0.0, 1.0 - R0)
+        a = (
+            np.full(s.shape[:2], A - R0)
+            if fixed
+            else np.clip(  # (17, 41) least-squares A - R0, in bounds
+                (s * r).sum(-1) / np.maximum((s * s).sum(-1), 1e-300), 0.0, 1.0 - R0
+            )
+        )
         sse = ((r - a[..., None] * s) ** 2).sum(-1)  # (17, 41)
-        pad = np.pad(sse, 1, constant_values=np.inf)  # a cell no worse than its 8 neighbours starts a basin
-        nb = np.stack([pad[1 + i : 18 + i, 1 + j : 42 + j] for i in (-1, 0, 1) for j in (-1, 0, 1) if i or j])
+        pad = np.pad(
+            sse, 1, constant_values=np.inf
+        )  # a cell no worse than its 8 neighbours starts a basin
+        nb = np.stack(
+            [pad[1 + i : 18 + i, 1 + j : 42 + j] for i in (-1, 0, 1) for j in (-1, 0, 1) if i or j]
+        )
         cells = np.argwhere((sse <= nb).all(0))
-        _, first = np.unique(sse[tuple(cells.T)], return_index=True)  # one cell per plateau, best first
+        _, first = np.unique(
+            sse[tuple(cells.T)], return_index=True
+        )  # one cell per plateau, best first
         starts = [(R0 + a[i, j], Bs[i], ms[j]) for i, j in cells[first[:3]]]
     else:
         starts = [(p0[0], p0[1], math.log(p0[2]) - xm)]
@@ -142,57 +188,113 @@ def _fit_fast(C, R, R0, A=None, p0=None) -> SigmoidFit:
         g = (A_ - R0) * s_ * (1 - s_)  # d/dz of (A - R0) expit(z), z = B (u - m)
         return np.stack(([] if fixed else [s_]) + [g * (u - m_), -g * B_], axis=1)
 
-    lo, hi = [R0, 0.0, -np.inf], [1.0, np.inf, np.inf]  # R0 < A <= 1, B > 0 (PAPER.md 8.1), closed for trf
-    out, problems, se = _lsq(res, jac, [p[fixed:] for p in starts], lo[fixed:], hi[fixed:])  # [1:]: no A
+    lo, hi = (
+        [R0, 0.0, -np.inf],
+        [1.0, np.inf, np.inf],
+    )  # R0 < A <= 1, B > 0 (PAPER.md 8.1), closed for trf
+    out, problems, se = _lsq(
+        res, jac, [p[fixed:] for p in starts], lo[fixed:], hi[fixed:]
+    )  # [1:]: no A
     A_, B_, m = unpack(out.x)
     se_A, se_B, se_m = unpack(se) if not fixed else (0.0, *se)
     with np.errstate(over="ignore"):
         C_mid = float(np.exp(m + xm))
-    problems += [msg for bad, msg in (
-        (not fixed and A_ >= 1 - 1e-9, "A at its bound 1: no saturation in the data, the ceiling is unknown"),
-        (not fixed and A_ <= R0 + 1e-9, "A at R0: the data do not rise above R0"),
-        (B_ <= 1e-12, "B at 0: no rise with compute"),
-        (not math.isfinite(C_mid), "C_mid overflows: far beyond the data"),
-        (not problems and (se_A > A_ - R0 or se_B > B_ or se_m > w), "standard error above the value (A - R0, "
-         "B, or ln C_mid vs the data's ln C span): the data do not determine the parameters")) if bad]
-    return SigmoidFit(float(A_), float(B_), C_mid, float(R0), float(2 * out.cost), len(C), not problems,
-                      "; ".join(problems), "fast", fixed)
+    problems += [
+        msg
+        for bad, msg in (
+            (
+                not fixed and A_ >= 1 - 1e-9,
+                "A at its bound 1: no saturation in the data, the ceiling is unknown",
+            ),
+            (not fixed and A_ <= R0 + 1e-9, "A at R0: the data do not rise above R0"),
+            (B_ <= 1e-12, "B at 0: no rise with compute"),
+            (not math.isfinite(C_mid), "C_mid overflows: far beyond the data"),
+            (
+                not problems and (se_A > A_ - R0 or se_B > B_ or se_m > w),
+                "standard error above the value (A - R0, "
+                "B, or ln C_mid vs the data's ln C span): the data do not determine the parameters",
+            ),
+        )
+        if bad
+    ]
+    return SigmoidFit(
+        float(A_),
+        float(B_),
+        C_mid,
+        float(R0),
+        float(2 * out.cost),
+        len(C),
+        not problems,
+        "; ".join(problems),
+        "fast",
+        fixed,
+    )
 
 
 def _fit_grid(C, R, R0, grid_A, grid_C_mid) -> SigmoidFit:
     """A.5: for each (A, C_mid), fit B with curve_fit from its default start; keep the smallest SSE."""
     x, best, n_bad = np.log(C), None, 0
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OptimizeWarning)  # an infinite covariance is checked below instead
+        warnings.simplefilter(
+            "ignore", OptimizeWarning
+        )  # an infinite covariance is checked below instead
         for A, C_mid in itertools.product(grid_A, grid_C_mid):
             m = math.log(C_mid)
 
             def f(x_, B, A=A, m=m):
                 return R0 + (A - R0) * expit(B * (x_ - m))
+
             try:
                 (B,), pcov = curve_fit(f, x, R, p0=[1.0])  # [1.0] is curve_fit's own default start
             except RuntimeError:  # maxfev reached
                 n_bad += 1
                 continue
-            if not (np.isfinite(pcov).all() and B > 0):  # start handed back, or the curve upside down
+            if not (
+                np.isfinite(pcov).all() and B > 0
+            ):  # start handed back, or the curve upside down
                 n_bad += 1
                 continue
             sse = float(((f(x, B) - R) ** 2).sum())
-            best = (sse, float(A), float(B), float(C_mid)) if best is None or sse < best[0] else best
+            best = (
+                (sse, float(A), float(B), float(C_mid)) if best is None or sse < best[0] else best
+            )
     if best is None:
-        raise RuntimeError(f"grid: all {n_bad} (A, C_mid) points failed (curve_fit error, B <= 0 or infinite "
-                           f"covariance): C_mid in [{min(grid_C_mid):g}, {max(grid_C_mid):g}] likely does not "
-                           f"match the compute scale [{C.min():.3g}, {C.max():.3g}]; use method='fast'")
+        raise RuntimeError(
+            f"grid: all {n_bad} (A, C_mid) points failed (curve_fit error, B <= 0 or infinite "
+            f"covariance): C_mid in [{min(grid_C_mid):g}, {max(grid_C_mid):g}] likely does not "
+            f"match the compute scale [{C.min():.3g}, {C.max():.3g}]; use method='fast'"
+        )
     sse, A, B, C_mid = best
-    problems = [f"best {name}={v:g} is on the grid's edge: the optimum may lie outside"
-                for name, v, g in (("A", A, grid_A), ("C_mid", C_mid, grid_C_mid))
-                if len(g) >= 3 and np.isclose(v, [min(g), max(g)], rtol=1e-12, atol=0).any()]
-    return SigmoidFit(A, B, C_mid, float(R0), sse, len(C), not problems, "; ".join(problems), "grid",
-                      len(grid_A) == 1)
+    problems = [
+        f"best {name}={v:g} is on the grid's edge: the optimum may lie outside"
+        for name, v, g in (("A", A, grid_A), ("C_mid", C_mid, grid_C_mid))
+        if len(g) >= 3 and np.isclose(v, [min(g), max(g)], rtol=1e-12, atol=0).any()
+    ]
+    return SigmoidFit(
+        A,
+        B,
+        C_mid,
+        float(R0),
+        sse,
+        len(C),
+        not problems,
+        "; ".join(problems),
+        "grid",
+        len(grid_A) == 1,
+    )
 
 
-def fit_sigmoid(C, R, R0, *, A=None, c_min=0.0, method: Literal["fast", "grid"] = "fast", grid_A=None,
-                grid_C_mid=None) -> SigmoidFit:
+def fit_sigmoid(
+    C,
+    R,
+    R0,
+    *,
+    A=None,
+    c_min=0.0,
+    method: Literal["fast", "grid"] = "fast",
+    grid_A=None,
+    grid_C_mid=None,
+) -> SigmoidFit:
     """Fits Eq. 1 to pass rate R (1-D) against compute C (1-D, any unit) with R0 fixed (PAPER.md 8.1-8.3).
 
     Points with C < c_min are dropped (A.5 uses 1,500 GPU-hours). A given: the fixed-A refit of the §4
@@ -208,7 +310,9 @@ def fit_sigmoid(C, R, R0, *, A=None, c_min=0.0, method: Literal["fast", "grid"] 
         return _fit_fast(C, R, R0, A)
     if method != "grid":
         raise ValueError(f"method must be 'fast' or 'grid', got {method!r}")
-    gA = np.asarray([A] if A is not None else PAPER_GRID_A if grid_A is None else grid_A, dtype=np.float64)
+    gA = np.asarray(
+        [A] if A is not None else PAPER_GRID_A if grid_A is None else grid_A, dtype=np.float64
+    )
     gC = np.asarray(PAPER_GRID_C_MID if grid_C_mid is None else grid_C_mid, dtype=np.float64)
     if np.any(gA <= R0) or np.any(gA > 1) or np.any(gC <= 0):
         raise ValueError(f"grid_A must lie in (R0={R0}, 1] and grid_C_mid above 0")
@@ -223,7 +327,9 @@ class Bootstrap:
     B: tuple[float, float]
     C_mid: tuple[float, float]
     n_ok: int
-    n_failed: int  # degenerate resamples (< 4 distinct C, flat) and refits not converged (e.g. A at 1)
+    n_failed: (
+        int  # degenerate resamples (< 4 distinct C, flat) and refits not converged (e.g. A at 1)
+    )
 
 
 def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=0) -> Bootstrap:
@@ -237,8 +343,12 @@ def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=
     for _ in range(n_boot):
         i = rng.integers(0, len(C), len(C))
         try:
-            f = _fit_fast(*_validate(C[i], R[i], fit.R0, 0.0), fit.R0, fit.A if fit.fixed_A else None,
-                          p0=(fit.A, fit.B, fit.C_mid))
+            f = _fit_fast(
+                *_validate(C[i], R[i], fit.R0, 0.0),
+                fit.R0,
+                fit.A if fit.fixed_A else None,
+                p0=(fit.A, fit.B, fit.C_mid),
+            )
         except ValueError:
             continue
         draws += [(f.A, f.B, f.C_mid)] if f.converged else []
@@ -287,9 +397,20 @@ def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
     A, B, d = out.x
     with np.errstate(over="ignore"):
         D = float(d * np.exp(B * x.mean()))
-    problems += [msg for bad, msg in ((A >= 1 - 1e-9, "A at its bound 1"), (not problems and (se[1:] > out.x[1:]).any(),
-                                      "standard error above the value of B or D: not determined by the data")) if bad]
-    return PowerLawFit(float(A), float(B), D, float(2 * out.cost), len(C), not problems, "; ".join(problems))
+    problems += [
+        msg
+        for bad, msg in (
+            (A >= 1 - 1e-9, "A at its bound 1"),
+            (
+                not problems and (se[1:] > out.x[1:]).any(),
+                "standard error above the value of B or D: not determined by the data",
+            ),
+        )
+        if bad
+    ]
+    return PowerLawFit(
+        float(A), float(B), D, float(2 * out.cost), len(C), not problems, "; ".join(problems)
+    )
 
 
 @dataclass
@@ -310,12 +431,25 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
     fits = [fit_sigmoid(C, R, R0, c_min=c_min) for C, R, R0 in runs]
     As = np.array([f.A for f in fits])
     A_shared = float(As.mean()) if np.ptp(As) < margin else None
-    refits = None if A_shared is None else [fit_sigmoid(C, R, R0, A=A_shared, c_min=c_min) for C, R, R0 in runs]
+    refits = (
+        None
+        if A_shared is None
+        else [fit_sigmoid(C, R, R0, A=A_shared, c_min=c_min) for C, R, R0 in runs]
+    )
     best = int(As.argmax()) if refits is None else int(np.argmax([f.B for f in refits]))
-    rule = (f"A spread {np.ptp(As):.3f} >= {margin}: higher A" if refits is None
-            else f"A within {margin}: refit at mean A={A_shared:.4f}, higher B")
+    rule = (
+        f"A spread {np.ptp(As):.3f} >= {margin}: higher A"
+        if refits is None
+        else f"A within {margin}: refit at mean A={A_shared:.4f}, higher B"
+    )
     bad = [k for k, f in enumerate(fits + (refits or [])) if not f.converged]
-    return Comparison(fits, A_shared, refits, best, rule + (f" (UNRELIABLE: fits {bad} not converged)" * bool(bad)))
+    return Comparison(
+        fits,
+        A_shared,
+        refits,
+        best,
+        rule + (f" (UNRELIABLE: fits {bad} not converged)" * bool(bad)),
+    )
 
 
 def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Literal["fast", "grid"] = "fast"):
@@ -325,7 +459,9 @@ def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Literal["fast", "grid
     C, R = np.asarray(C, dtype=np.float64), np.asarray(R, dtype=np.float64)
     tail = C > fit_until
     if not tail.any():
-        raise ValueError(f"no point beyond fit_until={fit_until:g} (max C={C.max():g}): nothing to extrapolate to")
+        raise ValueError(
+            f"no point beyond fit_until={fit_until:g} (max C={C.max():g}): nothing to extrapolate to"
+        )
     fit = fit_sigmoid(C[~tail], R[~tail], R0, c_min=c_min, method=method)
     return fit, float(np.abs(fit.predict(C[tail]) - R[tail]).mean()), int(tail.sum())
 
@@ -370,14 +506,20 @@ def plot(runs, out, *, xlabel, ylabel, c_min=0.0, fit_until=None):
         ax.scatter(C[C < c_min], R[C < c_min], s=16, facecolors="none", edgecolors=col)
         ax.scatter(C[held], R[held], s=30, marker="x", color=col, alpha=0.6)
         g = np.geomspace(C[used].min(), end, 200)
-        label = f"{name}: A={fit.A:.3f}  B={fit.B:.2f}  C_mid={_num(fit.C_mid)}" + ("" if fit.converged else " (!)")
+        label = f"{name}: A={fit.A:.3f}  B={fit.B:.2f}  C_mid={_num(fit.C_mid)}" + (
+            "" if fit.converged else " (!)"
+        )
         ax.plot(g, fit.predict(g), color=col, lw=2, label=label, zorder=3)
         g = np.geomspace(end, C.max() * 1.15, 100)
         ax.plot(g, fit.predict(g), "--", color=col, lw=2, zorder=3) if held.any() else None
         ax.axhline(fit.A, color=col, ls=":", lw=1)
     if fit_until:
-        ax.axvline(fit_until, color="grey", lw=0.8, ls="-.", label=f"fit until {fit_until:g} (x: held out)")
-    ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title="R = R0 + (A - R0) / (1 + (C_mid / C)^B)")
+        ax.axvline(
+            fit_until, color="grey", lw=0.8, ls="-.", label=f"fit until {fit_until:g} (x: held out)"
+        )
+    ax.set(
+        xscale="log", xlabel=xlabel, ylabel=ylabel, title="R = R0 + (A - R0) / (1 + (C_mid / C)^B)"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -411,37 +553,83 @@ class Args:
 
 def main(args: Args):
     runs, fit_pts, notes = [], [], []
-    table = [["run", "n", "R0", "A", "95% CI", "paper", "B", "95% CI", "C_mid", "95% CI", "SSE", "MAE tail (n)"]]
+    table = [
+        [
+            "run",
+            "n",
+            "R0",
+            "A",
+            "95% CI",
+            "paper",
+            "B",
+            "95% CI",
+            "C_mid",
+            "95% CI",
+            "SSE",
+            "MAE tail (n)",
+        ]
+    ]
     for path in args.paths:
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
         try:
             C, R = load_metrics(path, args.x, args.y)
             # R0 = the eval at the smallest compute (the step-0 eval, C = 0): it anchors the curve there, so
             # it is not also a fit point (C = 0 is outside ln C anyway)
-            (R0, keep), c0 = ((float(R[0]), C > C[0]) if args.r0 is None else (args.r0, C > 0)), C[0]
+            (R0, keep), c0 = (
+                ((float(R[0]), C > C[0]) if args.r0 is None else (args.r0, C > 0)),
+                C[0],
+            )
             C, R = C[keep], R[keep]
             head = C <= (math.inf if args.fit_until is None else args.fit_until)
-            fit, mae, n_tail = ((fit_sigmoid(C, R, R0, c_min=args.c_min, method=args.method), math.nan, 0)
-                                if args.fit_until is None else extrapolate(
-                                    C, R, R0, fit_until=args.fit_until, c_min=args.c_min, method=args.method))
-            bs = bootstrap(fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed)
+            fit, mae, n_tail = (
+                (fit_sigmoid(C, R, R0, c_min=args.c_min, method=args.method), math.nan, 0)
+                if args.fit_until is None
+                else extrapolate(
+                    C, R, R0, fit_until=args.fit_until, c_min=args.c_min, method=args.method
+                )
+            )
+            bs = bootstrap(
+                fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed
+            )
         except (ValueError, RuntimeError) as e:
             raise SystemExit(f"{path}: {e}") from e
         runs.append((name, C, R, fit))
         fit_pts.append((C[head], R[head], R0))
-        table.append([name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", f"[{bs.A[0]:.4f}, {bs.A[1]:.4f}]",
-                      f"+-{A_MARGIN}", f"{fit.B:.3f}", f"[{bs.B[0]:.3f}, {bs.B[1]:.3f}]", _num(fit.C_mid),
-                      f"[{_num(bs.C_mid[0])}, {_num(bs.C_mid[1])}]", f"{fit.sse:.2e}", f"{mae:.4f} ({n_tail})"])
-        for bad, note in (((~keep).sum() > 1, f"{(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted"),
-                          (bs.n_failed, f"{bs.n_failed}/{args.n_boot} bootstrap refits degenerate or at a bound"),
-                          (not fit.converged, f"NOT CONVERGED: {fit.message}")):
+        table.append(
+            [
+                name,
+                str(fit.n),
+                f"{R0:.3f}",
+                f"{fit.A:.4f}",
+                f"[{bs.A[0]:.4f}, {bs.A[1]:.4f}]",
+                f"+-{A_MARGIN}",
+                f"{fit.B:.3f}",
+                f"[{bs.B[0]:.3f}, {bs.B[1]:.3f}]",
+                _num(fit.C_mid),
+                f"[{_num(bs.C_mid[0])}, {_num(bs.C_mid[1])}]",
+                f"{fit.sse:.2e}",
+                f"{mae:.4f} ({n_tail})",
+            ]
+        )
+        for bad, note in (
+            ((~keep).sum() > 1, f"{(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted"),
+            (bs.n_failed, f"{bs.n_failed}/{args.n_boot} bootstrap refits degenerate or at a bound"),
+            (not fit.converged, f"NOT CONVERGED: {fit.message}"),
+        ):
             notes += [f"{name}: {note}"] if bad else []
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
-    print("\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table))
+    print(
+        "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table)
+    )
     if len(fit_pts) >= 2:
         cmp = compare(fit_pts, c_min=args.c_min)
-        shared = "" if cmp.refits is None else " (B at shared A: " + ", ".join(
-            f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True)) + ")"
+        shared = (
+            ""
+            if cmp.refits is None
+            else " (B at shared A: "
+            + ", ".join(f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
+            + ")"
+        )
         notes.insert(0, f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best")
     print("\n".join(notes + [f"wrote {args.out}"]))
     plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)

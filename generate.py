@@ -40,7 +40,10 @@ import psutil  # a vLLM dependency
 import torch
 import vllm
 from vllm import SamplingParams, TokensPrompt
-from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -55,29 +58,43 @@ class Completion:
     """One rollout. T = len(completion_ids); the tensors are (T,) and aligned with completion_ids."""
 
     prompt_ids: list[int]
-    completion_ids: list[int]  # everything after the prompt: thinking, the forced phrase if any, the answer
-    logp: torch.Tensor  # (T,) float32 behaviour log-prob (the loss's old_logp); 0 where mask is False
+    completion_ids: list[
+        int
+    ]  # everything after the prompt: thinking, the forced phrase if any, the answer
+    logp: (
+        torch.Tensor
+    )  # (T,) float32 behaviour log-prob (the loss's old_logp); 0 where mask is False
     mask: torch.Tensor  # (T,) bool: True = sampled by the policy, False = a forced phrase token
-    versions: torch.Tensor  # (T,) int64 policy version that sampled each token (phrase: the version at insertion)
+    versions: (
+        torch.Tensor
+    )  # (T,) int64 policy version that sampled each token (phrase: the version at insertion)
     finish_reason: str  # "stop" (EOS) or "length" (the last phase hit its budget)
     interrupted: bool  # the phrase was inserted
     truncated: bool  # the answer (or the only phase, without thinking) hit its budget
     text: str  # the completion decoded with special tokens skipped (`</think>` is kept)
 
 
-def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = -1, *, greedy_ok: bool = False) -> None:
+def check_sampling(
+    temperature: float, top_p: float = 1.0, top_k: int = -1, *, greedy_ok: bool = False
+) -> None:
     """Raise ValueError unless this is plain temperature sampling over the full vocabulary (temperature > 0, top_p 1,
     top_k -1 or 0): top-p / top-k renormalise over the kept tokens, so the behaviour log-probs would no longer be
     those of the policy the trainer differentiates, and the importance ratio (§3.2, CISPO) would be biased.
     greedy_ok: also accept temperature 0 (greedy decoding, for evaluation only: an argmax has no behaviour policy)."""
     if not (temperature > 0 or greedy_ok and temperature == 0):
-        raise ValueError(f"temperature must be > 0{' (or 0, greedy)' if greedy_ok else ''}, got {temperature}")
+        raise ValueError(
+            f"temperature must be > 0{' (or 0, greedy)' if greedy_ok else ''}, got {temperature}"
+        )
     if top_p != 1.0 or top_k not in (-1, 0):
-        raise ValueError(f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by the kept "
-                         "mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)")
+        raise ValueError(
+            f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by the kept "
+            "mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)"
+        )
 
 
-def weight_transfer_backend(requested: str = "auto", *, cuda: bool, vllm_version: str = vllm.__version__) -> str:
+def weight_transfer_backend(
+    requested: str = "auto", *, cuda: bool, vllm_version: str = vllm.__version__
+) -> str:
     """How new weights reach the engine: "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere)
     or "nccl" (vLLM's weight-transfer engine, broadcast from trainer rank 0; CUDA only). "auto" picks "nccl" on CUDA
     when vLLM is the minor version the NCCL path was written against (`NCCL_CHECKED_ON`), "disk" otherwise.
@@ -86,8 +103,10 @@ def weight_transfer_backend(requested: str = "auto", *, cuda: bool, vllm_version
         raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
     nccl_ok = cuda and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
     if requested == "nccl" and not nccl_ok:
-        raise ValueError(f"weight_transfer='nccl' needs CUDA and vLLM {NCCL_CHECKED_ON}.x "
-                         f"(cuda={cuda}, vllm {vllm_version}); use 'disk'")
+        raise ValueError(
+            f"weight_transfer='nccl' needs CUDA and vLLM {NCCL_CHECKED_ON}.x "
+            f"(cuda={cuda}, vllm {vllm_version}); use 'disk'"
+        )
     return ("nccl" if nccl_ok else "disk") if requested == "auto" else requested
 
 
@@ -105,24 +124,42 @@ def versions_from_spans(spans, n: int) -> list[int]:
     return out
 
 
-def engine_args(model: str, *, cuda: bool, seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
-                max_num_seqs: int = 256, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
-                weight_transfer: str = "disk", fp32_head: bool = True) -> AsyncEngineArgs:
+def engine_args(
+    model: str,
+    *,
+    cuda: bool,
+    seed: int = 0,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_gib: float | None = None,
+    weight_transfer: str = "disk",
+    fp32_head: bool = True,
+) -> AsyncEngineArgs:
     """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults: eager mode and a
     1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory); GPU: CUDA graphs, 85% memory.
     fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation)."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = 1.0
     return AsyncEngineArgs(
-        model=model, seed=seed, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+        model=model,
+        seed=seed,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization or 0.85,
         kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
         enforce_eager=not cuda,
         enable_prefix_caching=True,  # the answer phase of an interrupted rollout reuses its thinking's KV
         logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled (after temperature)
-        hf_overrides={"head_dtype": "float32"} if fp32_head else None,  # FP32 LM head in the generator (§3.2, A.19)
+        hf_overrides={"head_dtype": "float32"}
+        if fp32_head
+        else None,  # FP32 LM head in the generator (§3.2, A.19)
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
         worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for extra collective_rpc methods
         disable_log_stats=True,
@@ -140,7 +177,10 @@ class WorkerExtension:
         self.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
         head = model.lm_head
-        if model.config.tie_word_embeddings and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod":
+        if (
+            model.config.tie_word_embeddings
+            and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+        ):
             head.quant_method.process_weights_after_loading(head)
 
 
@@ -164,21 +204,43 @@ class Sampler:
     Raises FileNotFoundError for a missing local model, ValueError for bad settings, vLLM's errors at engine start.
     """
 
-    def __init__(self, model: str, *, think_budget: tuple[int, int] = (10240, 12288), answer_budget: int = 2048,
-                 phrase: str = PHRASE, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
-                 gpus: list[int] | None = None, weight_transfer: str = "auto", interruptions: bool = True, **engine):
+    def __init__(
+        self,
+        model: str,
+        *,
+        think_budget: tuple[int, int] = (10240, 12288),
+        answer_budget: int = 2048,
+        phrase: str = PHRASE,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int = 0,
+        gpus: list[int] | None = None,
+        weight_transfer: str = "auto",
+        interruptions: bool = True,
+        **engine,
+    ):
         check_sampling(temperature, top_p, top_k)
         if not 0 < think_budget[0] <= think_budget[1] or answer_budget < 1:
-            raise ValueError(f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}")
+            raise ValueError(
+                f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}"
+            )
         if model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(model)):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
         devices = engine.get("tensor_parallel_size", 1) * engine.get("data_parallel_size", 1)
         if gpus is not None and len(gpus) != devices:
-            raise ValueError(f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices")
+            raise ValueError(
+                f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices"
+            )
         cuda = torch.cuda.is_available()
         self.weight_transfer = weight_transfer_backend(weight_transfer, cuda=cuda)
-        args = engine_args(os.path.expanduser(model), cuda=cuda, seed=seed, weight_transfer=self.weight_transfer,
-                           **engine)
+        args = engine_args(
+            os.path.expanduser(model),
+            cuda=cuda,
+            seed=seed,
+            weight_transfer=self.weight_transfer,
+            **engine,
+        )
         self._procs, self._workers, before = [], [], multiprocessing.active_children()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if gpus is not None:  # inherited by the engine processes spawned below
@@ -189,21 +251,35 @@ class Sampler:
             if gpus is not None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")
                 os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
-            self._procs = [p for p in multiprocessing.active_children() if p not in before]  # shutdown() ends them
-            self._workers = [c for p in self._procs if p.is_alive() for c in psutil.Process(p.pid).children(True)]
+            self._procs = [
+                p for p in multiprocessing.active_children() if p not in before
+            ]  # shutdown() ends them
+            self._workers = [
+                c for p in self._procs if p.is_alive() for c in psutil.Process(p.pid).children(True)
+            ]
         try:
             self.tokenizer = self.engine.get_tokenizer()
             self.max_model_len = self.engine.model_config.max_model_len
             think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
-            self.think_end_id = think_ids[0] if len(think_ids) == 1 else None  # None: not a thinking tokenizer
+            self.think_end_id = (
+                think_ids[0] if len(think_ids) == 1 else None
+            )  # None: not a thinking tokenizer
             self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
-            if self.think_end_id is not None and (self.phrase_ids[-1:] != [self.think_end_id]
-                                                  or self.phrase_ids.count(self.think_end_id) != 1):
-                raise ValueError(f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}")
+            if self.think_end_id is not None and (
+                self.phrase_ids[-1:] != [self.think_end_id]
+                or self.phrase_ids.count(self.think_end_id) != 1
+            ):
+                raise ValueError(
+                    f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}"
+                )
         except BaseException:
             self.shutdown()
             raise
-        self.think_budget, self.answer_budget, self.temperature = think_budget, answer_budget, temperature
+        self.think_budget, self.answer_budget, self.temperature = (
+            think_budget,
+            answer_budget,
+            temperature,
+        )
         self.interruptions = interruptions
         self.version = 0
         self._rng = random.Random(seed)
@@ -219,9 +295,16 @@ class Sampler:
         await self.engine.update_weight_version(str(self.version))
         return self
 
-    async def generate(self, prompt_ids: list[int], n: int = 1, *, thinking: bool = True,
-                       temperature: float | None = None, think_budget: tuple[int, int] | None = None,
-                       answer_budget: int | None = None) -> list[Completion]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int = 1,
+        *,
+        thinking: bool = True,
+        temperature: float | None = None,
+        think_budget: tuple[int, int] | None = None,
+        answer_budget: int | None = None,
+    ) -> list[Completion]:
         """Sample a group of n rollouts of one prompt (token ids, e.g. a chat template's output) concurrently.
 
         thinking=True: each rollout draws L ~ U{lo..hi} (paper A.10) and thinks until `</think>`, EOS or L tokens. EOS
@@ -239,25 +322,59 @@ class Sampler:
         answer_budget = answer_budget or self.answer_budget
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids or n < 1:
-            raise ValueError(f"need a non-empty prompt and n >= 1, got {len(prompt_ids)} prompt tokens and n={n}")
+            raise ValueError(
+                f"need a non-empty prompt and n >= 1, got {len(prompt_ids)} prompt tokens and n={n}"
+            )
         if thinking and self.think_end_id is None:
-            raise ValueError(f"the tokenizer has no single {THINK_END} token; call generate(..., thinking=False)")
+            raise ValueError(
+                f"the tokenizer has no single {THINK_END} token; call generate(..., thinking=False)"
+            )
         budgets = answer_budget + (hi + len(self.phrase_ids) if thinking else 0)
         if len(prompt_ids) + budgets > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + budgets of {budgets} tokens exceed max_model_len "
-                             f"{self.max_model_len}")
-        if thinking and not self.interruptions:  # loo-lp: the whole budget in one phase, never a phrase
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + budgets of {budgets} tokens exceed max_model_len "
+                f"{self.max_model_len}"
+            )
+        if (
+            thinking and not self.interruptions
+        ):  # loo-lp: the whole budget in one phase, never a phrase
             thinking, answer_budget = False, hi + answer_budget
         salt = str(self.version)  # departure 4: no reuse of KV blocks computed under older weights
-        async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the other rollouts
-            tasks = [group.create_task(self._rollout(prompt_ids, thinking, temperature, self._rng.randint(lo, hi),
-                                                     answer_budget, salt)) for _ in range(n)]
+        async with (
+            asyncio.TaskGroup() as group
+        ):  # one failure cancels (and so aborts) the other rollouts
+            tasks = [
+                group.create_task(
+                    self._rollout(
+                        prompt_ids,
+                        thinking,
+                        temperature,
+                        self._rng.randint(lo, hi),
+                        answer_budget,
+                        salt,
+                    )
+                )
+                for _ in range(n)
+            ]
         return [task.result() for task in tasks]
 
-    async def _phase(self, token_ids: list[int], max_tokens: int, temperature: float, stop_ids: list[int], salt: str):
+    async def _phase(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        stop_ids: list[int],
+        salt: str,
+    ):
         """One vLLM request: ((new ids, their log-probs, mask, their versions), finish reason)."""
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=0,
-                                flat_logprobs=True, detokenize=False)  # logprobs=0: the sampled token's only
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+        )  # logprobs=0: the sampled token's only
         prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
         async for final in self.engine.generate(prompt, params, f"gen-{next(self._ids)}"):  # noqa: B007
             pass  # default output kind FINAL_ONLY: a single RequestOutput, at the end
@@ -265,36 +382,67 @@ class Sampler:
         if done.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
         ids = list(done.token_ids)
-        if done.logprobs.token_ids != ids:  # FlatLogprobs: one entry per position, the sampled token
-            raise RuntimeError(f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}")
+        if (
+            done.logprobs.token_ids != ids
+        ):  # FlatLogprobs: one entry per position, the sampled token
+            raise RuntimeError(
+                f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}"
+            )
         logp = list(done.logprobs.logprobs)
-        return (ids, logp, [True] * len(ids), versions_from_spans(done.weight_versions, len(ids))), done.finish_reason
+        return (
+            ids,
+            logp,
+            [True] * len(ids),
+            versions_from_spans(done.weight_versions, len(ids)),
+        ), done.finish_reason
 
-    async def _rollout(self, prompt_ids, thinking, temperature, think_budget, answer_budget, salt) -> Completion:
+    async def _rollout(
+        self, prompt_ids, thinking, temperature, think_budget, answer_budget, salt
+    ) -> Completion:
         budget, stop = (think_budget, [self.think_end_id]) if thinking else (answer_budget, [])
-        seq, reason = await self._phase(prompt_ids, budget, temperature, stop, salt)  # seq: ids, logp, mask, versions
-        interrupted = thinking and reason == "length"  # L thinking tokens without `</think>` or EOS (paper A.10)
+        seq, reason = await self._phase(
+            prompt_ids, budget, temperature, stop, salt
+        )  # seq: ids, logp, mask, versions
+        interrupted = (
+            thinking and reason == "length"
+        )  # L thinking tokens without `</think>` or EOS (paper A.10)
         join = lambda seq, more: tuple(a + b for a, b in zip(seq, more, strict=True))
         if interrupted:  # forced tokens: mask 0, no behaviour log-prob
             k = len(self.phrase_ids)
             seq = join(seq, (self.phrase_ids, [0.0] * k, [False] * k, [self.version] * k))
-        if interrupted or (thinking and seq[0][-1] == self.think_end_id):  # EOS while thinking: finished as is
-            more, reason = await self._phase(prompt_ids + seq[0], answer_budget, temperature, [], salt)
+        if interrupted or (
+            thinking and seq[0][-1] == self.think_end_id
+        ):  # EOS while thinking: finished as is
+            more, reason = await self._phase(
+                prompt_ids + seq[0], answer_budget, temperature, [], salt
+            )
             seq = join(seq, more)
         ids, logp, mask, versions = seq
         truncated = reason == "length"  # always the answer phase (or the only phase) here
         with self._stats_lock:
-            self._counts.update(completions=1, interrupted=int(interrupted), truncated=int(truncated))
-        return Completion(prompt_ids, ids, torch.tensor(logp, dtype=torch.float32), torch.tensor(mask),
-                          torch.tensor(versions, dtype=torch.int64), reason, interrupted, truncated,
-                          self.tokenizer.decode(ids, skip_special_tokens=True))
+            self._counts.update(
+                completions=1, interrupted=int(interrupted), truncated=int(truncated)
+            )
+        return Completion(
+            prompt_ids,
+            ids,
+            torch.tensor(logp, dtype=torch.float32),
+            torch.tensor(mask),
+            torch.tensor(versions, dtype=torch.int64),
+            reason,
+            interrupted,
+            truncated,
+            self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
 
     async def update_weights(self, weights_dir: str) -> int:
         """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible) into the running
         engine (PipelineRL, §3.1): pause with mode "keep" (requests stay scheduled; their KV cache is kept, not
         recomputed), reload, bump the version, resume. Returns the new version, which tokens sampled from now on carry.
         Raises FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if loading fails."""
-        if not os.path.isdir(weights_dir) or not any(f.endswith(".safetensors") for f in os.listdir(weights_dir)):
+        if not os.path.isdir(weights_dir) or not any(
+            f.endswith(".safetensors") for f in os.listdir(weights_dir)
+        ):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
         path = os.path.abspath(weights_dir)
         return await self._swap(self.engine.collective_rpc("reload_weights_retie", args=(path,)))
@@ -306,7 +454,9 @@ class Sampler:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 await load
                 self.version += 1
-                await self.engine.update_weight_version(str(self.version))  # labels tokens from the next step on
+                await self.engine.update_weight_version(
+                    str(self.version)
+                )  # labels tokens from the next step on
             finally:
                 await self.engine.resume_generation()
         return self.version
@@ -320,7 +470,9 @@ class Sampler:
         broadcast, bumps the version and resumes as `update_weights` does. Raises RuntimeError unless the engine was
         built with weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
-            raise RuntimeError(f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'")
+            raise RuntimeError(
+                f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'"
+            )
         return _SyncClient(self, loop)
 
     def pop_stats(self) -> dict[str, float]:
@@ -329,8 +481,11 @@ class Sampler:
         with self._stats_lock:
             counts, self._counts = self._counts, collections.Counter()
         n = max(counts["completions"], 1)
-        return {"gen/completions": counts["completions"], "gen/interrupt_rate": counts["interrupted"] / n,
-                "gen/truncation_rate": counts["truncated"] / n}
+        return {
+            "gen/completions": counts["completions"],
+            "gen/interrupt_rate": counts["interrupted"] / n,
+            "gen/truncation_rate": counts["truncated"] / n,
+        }
 
     def shutdown(self) -> None:
         """Stop the engine and wait for its processes to end (idempotent; safe from any thread). vLLM's own shutdown
@@ -338,7 +493,10 @@ class Sampler:
         so no process outlives this call."""
         if self.engine is not None:
             logger = logging.getLogger("vllm")
-            level, _ = logger.level, logger.setLevel(logging.CRITICAL)  # a dying engine core's errors are expected
+            level, _ = (
+                logger.level,
+                logger.setLevel(logging.CRITICAL),
+            )  # a dying engine core's errors are expected
             try:
                 self.engine.shutdown()
             finally:
@@ -349,7 +507,9 @@ class Sampler:
             if proc.is_alive():
                 proc.kill()
                 proc.join(SHUTDOWN_TIMEOUT)
-        for proc in psutil.wait_procs(self._workers, timeout=SHUTDOWN_TIMEOUT)[1]:  # their children (vLLM workers)
+        for proc in psutil.wait_procs(self._workers, timeout=SHUTDOWN_TIMEOUT)[
+            1
+        ]:  # their children (vLLM workers)
             proc.kill()
         self._procs, self._workers = [], []
 
@@ -364,7 +524,9 @@ class _SyncClient:
         self._call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+        self._call(
+            self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        )
 
     def start_weight_update(self) -> None:
         pass  # done inside update_weights, under the pause
@@ -374,6 +536,7 @@ class _SyncClient:
             await self.engine.start_weight_update()
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
             await self.engine.finish_weight_update()
+
         self._call(self.sampler._swap(transfer()))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -21,7 +21,9 @@ Where this departs from the paper, and why:
 
 import torch
 
-STD_FLOOR = 1e-6  # a std below this is float residue of a zero-variance group, not signal (DESIGN.md)
+STD_FLOOR = (
+    1e-6  # a std below this is float residue of a zero-variance group, not signal (DESIGN.md)
+)
 
 
 def _check(ok, msg, exc=ValueError):
@@ -39,9 +41,13 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, need_dh, need_dw, head_dtype):
+    def forward(
+        ctx, hidden, weight, targets, temperature, chunk_size, need_dh, need_dw, head_dtype
+    ):
         w32 = weight.float()  # (V, H); no copy for an fp32 head, an fp32 copy for a bf16 one
-        w_head = w32 if head_dtype == torch.float32 else weight.to(head_dtype)  # (V, H) the matmul's operand
+        w_head = (
+            w32 if head_dtype == torch.float32 else weight.to(head_dtype)
+        )  # (V, H) the matmul's operand
         N, H = hidden.shape
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,) log-partition, reused by backward
@@ -49,17 +55,26 @@ class _FP32HeadLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             h, t = hidden[s:e].float(), targets[s:e]  # (c, H), (c,)
-            logits = _matmul(h, w_head).div_(temperature)  # (c, V); temperature divides logits, not log-probs
+            logits = _matmul(h, w_head).div_(
+                temperature
+            )  # (c, V); temperature divides logits, not log-probs
             picked = logits.gather(1, t[:, None])[:, 0]  # (c,)
             m = logits.amax(1, keepdim=True)  # (c, 1)
-            probs = logits.sub_(m).exp_()  # (c, V) unnormalized, in place: one (c, V) buffer per chunk
+            probs = logits.sub_(
+                m
+            ).exp_()  # (c, V) unnormalized, in place: one (c, V) buffer per chunk
             z = probs.sum(1, keepdim=True)  # (c, 1)
             lse[s:e] = (z.log() + m)[:, 0]
             logp[s:e] = picked - lse[s:e]
             if need_dh:
                 dlogp_dh[s:e] = (w32[t] - probs.div_(z) @ w32).div_(temperature)  # (c, H)
             del logits, probs  # free this block before the next matmul allocates one
-        ctx.temperature, ctx.chunk_size, ctx.need_dh, ctx.need_dw = temperature, chunk_size, need_dh, need_dw
+        ctx.temperature, ctx.chunk_size, ctx.need_dh, ctx.need_dw = (
+            temperature,
+            chunk_size,
+            need_dh,
+            need_dw,
+        )
         ctx.head_dtype = head_dtype
         ctx.save_for_backward(hidden, weight, targets, lse, dlogp_dh)
         return logp
@@ -77,7 +92,11 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             gw = torch.zeros_like(w32)  # (V, H) fp32 accumulator
             for s in range(0, hidden.shape[0], ctx.chunk_size):
                 e = min(s + ctx.chunk_size, hidden.shape[0])
-                h, t, gs = hidden[s:e].float(), targets[s:e], g[s:e, None] / T  # (c, H), (c,), (c, 1)
+                h, t, gs = (
+                    hidden[s:e].float(),
+                    targets[s:e],
+                    g[s:e, None] / T,
+                )  # (c, H), (c,), (c, 1)
                 # d logp / d logits = (onehot(t) - softmax) / T, built in place in the recomputed logits
                 dlogits = _matmul(h, w_head).div_(T).sub_(lse[s:e, None]).exp_().mul_(-gs)  # (c, V)
                 dlogits.scatter_add_(1, t[:, None], gs)
@@ -89,10 +108,14 @@ class _FP32HeadLogprobs(torch.autograd.Function):
 
 def _matmul(h, w_head):
     """(c, V) fp32 logits of fp32 rows h (c, H): in fp32, or rounded through w_head's dtype (the loo-fp32 ablation)."""
-    return h @ w_head.T if w_head.dtype == torch.float32 else (h.to(w_head.dtype) @ w_head.T).float()
+    return (
+        h @ w_head.T if w_head.dtype == torch.float32 else (h.to(w_head.dtype) @ w_head.T).float()
+    )
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, head_dtype=torch.float32):
+def token_logprobs(
+    hidden, weight, targets, temperature=1.0, chunk_size=1024, head_dtype=torch.float32
+):
     """Log-probabilities of `targets` under an fp32 LM head, without ever forming an (N, V) tensor (§3.2, Fig 5b).
 
     hidden (N, H) and weight (V, H) in any float dtype (bf16 is upcast exactly), targets (N,) integer ids in
@@ -104,29 +127,62 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, he
     the paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
     Raises ValueError / TypeError on bad shapes, dtypes, devices, ids, temperature, chunk_size or head_dtype.
     """
-    _check(head_dtype in (torch.float32, torch.bfloat16, torch.float16), f"head_dtype must be float32, bfloat16 or "
-           f"float16; got {head_dtype}", TypeError)
-    _check(hidden.dim() == 2 and weight.dim() == 2, f"hidden must be (N, H) and weight (V, H); got "
-           f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    _check(hidden.shape[1] == weight.shape[1], f"hidden size mismatch: hidden {tuple(hidden.shape)}, "
-           f"weight {tuple(weight.shape)}")
-    _check(hidden.is_floating_point() and weight.is_floating_point(), f"hidden and weight must be float; got "
-           f"{hidden.dtype}, {weight.dtype}", TypeError)
-    _check(targets.shape == hidden.shape[:1], f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}")
-    _check(not targets.is_floating_point() and targets.dtype != torch.bool, f"targets must be integer token ids; "
-           f"got {targets.dtype}", TypeError)
-    _check(hidden.device == weight.device == targets.device, "hidden, weight and targets must share a device")
+    _check(
+        head_dtype in (torch.float32, torch.bfloat16, torch.float16),
+        f"head_dtype must be float32, bfloat16 or float16; got {head_dtype}",
+        TypeError,
+    )
+    _check(
+        hidden.dim() == 2 and weight.dim() == 2,
+        f"hidden must be (N, H) and weight (V, H); got "
+        f"{tuple(hidden.shape)} and {tuple(weight.shape)}",
+    )
+    _check(
+        hidden.shape[1] == weight.shape[1],
+        f"hidden size mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}",
+    )
+    _check(
+        hidden.is_floating_point() and weight.is_floating_point(),
+        f"hidden and weight must be float; got {hidden.dtype}, {weight.dtype}",
+        TypeError,
+    )
+    _check(
+        targets.shape == hidden.shape[:1],
+        f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}",
+    )
+    _check(
+        not targets.is_floating_point() and targets.dtype != torch.bool,
+        f"targets must be integer token ids; got {targets.dtype}",
+        TypeError,
+    )
+    _check(
+        hidden.device == weight.device == targets.device,
+        "hidden, weight and targets must share a device",
+    )
     _check(temperature > 0, f"temperature must be > 0; got {temperature}")
     _check(int(chunk_size) >= 1, f"chunk_size must be >= 1; got {chunk_size}")
     if targets.numel():
         lo, hi = int(targets.min()), int(targets.max())
-        _check(lo >= 0 and hi < weight.shape[0], f"targets must lie in [0, V={weight.shape[0]}); got [{lo}, {hi}]")
+        _check(
+            lo >= 0 and hi < weight.shape[0],
+            f"targets must lie in [0, V={weight.shape[0]}); got [{lo}, {hi}]",
+        )
     grad_on = torch.is_grad_enabled()  # inside forward() grad mode is always off, so decide here
-    return _FP32HeadLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                   grad_on and hidden.requires_grad, grad_on and weight.requires_grad, head_dtype)
+    return _FP32HeadLogprobs.apply(
+        hidden,
+        weight,
+        targets.long(),
+        float(temperature),
+        int(chunk_size),
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        head_dtype,
+    )
 
 
-def completion_logprobs(hidden, weight, input_ids, mask, temperature=1.0, chunk_size=1024, head_dtype=torch.float32):
+def completion_logprobs(
+    hidden, weight, input_ids, mask, temperature=1.0, chunk_size=1024, head_dtype=torch.float32
+):
     """Per-token log-probs of a right- or left-padded batch from a causal LM's final hidden states.
 
     hidden (S, T, H) final-layer hidden states (after the last norm) for input_ids (S, T); weight (V, H) the LM
@@ -136,14 +192,20 @@ def completion_logprobs(hidden, weight, input_ids, mask, temperature=1.0, chunk_
     with its head_dtype).
     Raises ValueError if shapes disagree or mask[:, 0] is set (the first token has no preceding position).
     """
-    _check(hidden.dim() == 3 and input_ids.shape == hidden.shape[:2] and mask.shape == input_ids.shape,
-           f"need hidden (S, T, H), input_ids and mask (S, T); got {tuple(hidden.shape)}, "
-           f"{tuple(input_ids.shape)}, {tuple(mask.shape)}")
+    _check(
+        hidden.dim() == 3 and input_ids.shape == hidden.shape[:2] and mask.shape == input_ids.shape,
+        f"need hidden (S, T, H), input_ids and mask (S, T); got {tuple(hidden.shape)}, "
+        f"{tuple(input_ids.shape)}, {tuple(mask.shape)}",
+    )
     _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
-    _check(not mask[:, 0].any(), "mask[:, 0] is True: the first token has no preceding position to predict it")
+    _check(
+        not mask[:, 0].any(),
+        "mask[:, 0] is True: the first token has no preceding position to predict it",
+    )
     sel = mask[:, 1:]  # (S, T-1): token t+1 is predicted from position t
-    logp = token_logprobs(hidden[:, :-1][sel], weight, input_ids[:, 1:][sel], temperature, chunk_size,
-                          head_dtype)  # (N,)
+    logp = token_logprobs(
+        hidden[:, :-1][sel], weight, input_ids[:, 1:][sel], temperature, chunk_size, head_dtype
+    )  # (N,)
     shifted = logp.new_zeros(sel.shape).masked_scatter(sel, logp)  # (S, T-1)
     return torch.cat([logp.new_zeros(sel.shape[0], 1), shifted], 1)  # (S, T)
 
@@ -158,23 +220,39 @@ def group_advantages(rewards, group_ids, norm="batch"):
     advantage is 0. Never NaN or inf. Returns (S,) float64 for float64 rewards, else float32.
     Raises ValueError on an unknown norm, an empty batch, mismatched shapes or non-finite rewards.
     """
-    _check(norm in ("batch", "prompt", "none"), f"norm must be 'batch', 'prompt' or 'none'; got {norm!r}")
-    _check(rewards.dim() == 1 and rewards.numel() > 0, f"rewards must be a non-empty (S,); got {tuple(rewards.shape)}")
-    _check(group_ids.shape == rewards.shape, f"group_ids {tuple(group_ids.shape)} must match rewards "
-           f"{tuple(rewards.shape)}")
-    _check(not group_ids.is_floating_point(), f"group_ids must be integers; got {group_ids.dtype}", TypeError)
+    _check(
+        norm in ("batch", "prompt", "none"),
+        f"norm must be 'batch', 'prompt' or 'none'; got {norm!r}",
+    )
+    _check(
+        rewards.dim() == 1 and rewards.numel() > 0,
+        f"rewards must be a non-empty (S,); got {tuple(rewards.shape)}",
+    )
+    _check(
+        group_ids.shape == rewards.shape,
+        f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}",
+    )
+    _check(
+        not group_ids.is_floating_point(),
+        f"group_ids must be integers; got {group_ids.dtype}",
+        TypeError,
+    )
     r = rewards.double()  # (S,) float64: a group of equal float32 rewards centres to exactly 0
     _check(bool(torch.isfinite(r).all()), "rewards contain NaN or inf")
     _, gid = torch.unique(group_ids, return_inverse=True)  # (S,) group index in 0..P-1
     count = torch.bincount(gid).double()  # (P,) samples in each group
     mean = torch.zeros_like(count).index_add_(0, gid, r) / count  # (P,) group mean reward
     centred = r - mean[gid]  # (S,)
-    std_g = (torch.zeros_like(count).index_add_(0, gid, centred**2) / count).sqrt()[gid]  # (S,) group pop. std
+    std_g = (torch.zeros_like(count).index_add_(0, gid, centred**2) / count).sqrt()[
+        gid
+    ]  # (S,) group pop. std
     adv = torch.where(std_g < STD_FLOOR, 0.0, centred)  # zero-variance group: exactly 0
     if norm == "prompt":
         adv = adv / std_g.clamp_min(STD_FLOOR)  # Eq. 5 without + eps; zeroed groups stay 0
     elif norm == "batch":
-        std_b = adv.std(correction=0)  # population std over the S samples passed in (§4: std of all A_i)
+        std_b = adv.std(
+            correction=0
+        )  # population std over the S samples passed in (§4: std of all A_i)
         adv = adv / std_b if std_b >= STD_FLOOR else torch.zeros_like(adv)
     return adv.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
@@ -189,11 +267,21 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
     Computed once on the whole batch: micro-batches and ranks sum their share and get the full-batch loss.
     Raises ValueError / TypeError on an unknown agg or bad shapes / dtypes.
     """
-    _check(agg in ("prompt", "sample", "token"), f"agg must be 'prompt', 'sample' or 'token'; got {agg!r}")
-    _check(mask.dim() == 2 and group_ids.shape == mask.shape[:1], f"need mask (S, T) and group_ids (S,); got "
-           f"{tuple(mask.shape)} and {tuple(group_ids.shape)}")
+    _check(
+        agg in ("prompt", "sample", "token"),
+        f"agg must be 'prompt', 'sample' or 'token'; got {agg!r}",
+    )
+    _check(
+        mask.dim() == 2 and group_ids.shape == mask.shape[:1],
+        f"need mask (S, T) and group_ids (S,); got "
+        f"{tuple(mask.shape)} and {tuple(group_ids.shape)}",
+    )
     _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
-    _check(not group_ids.is_floating_point(), f"group_ids must be integers; got {group_ids.dtype}", TypeError)
+    _check(
+        not group_ids.is_floating_point(),
+        f"group_ids must be integers; got {group_ids.dtype}",
+        TypeError,
+    )
     lens = mask.sum(1).double()  # (S,) valid tokens per sample
     if agg == "token":
         denom = lens.sum().expand_as(lens)  # (S,) every valid token in the batch
@@ -201,13 +289,28 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
         denom = (lens > 0).sum() * lens  # (S,) samples with a token x this sample's tokens
     else:
         _, gid = torch.unique(group_ids, return_inverse=True)  # (S,) group index in 0..P-1
-        group_tokens = torch.zeros(int(gid.max()) + 1, dtype=torch.float64).index_add_(0, gid, lens)  # (P,)
-        denom = (group_tokens > 0).sum() * group_tokens[gid]  # (S,) groups with a token x tokens in this group
+        group_tokens = torch.zeros(int(gid.max()) + 1, dtype=torch.float64).index_add_(
+            0, gid, lens
+        )  # (P,)
+        denom = (group_tokens > 0).sum() * group_tokens[
+            gid
+        ]  # (S,) groups with a token x tokens in this group
     return torch.where(mask, 1.0 / denom.clamp_min(1)[:, None], 0.0).float()  # (S, T)
 
 
-def policy_loss(logp, old_logp, adv, weights, loss_type="cispo", *, eps_low=0.2, eps_high=0.28, cispo_cap=4.0,
-                gspo_eps_low=3e-3, gspo_eps_high=5e-3):
+def policy_loss(
+    logp,
+    old_logp,
+    adv,
+    weights,
+    loss_type="cispo",
+    *,
+    eps_low=0.2,
+    eps_high=0.28,
+    cispo_cap=4.0,
+    gspo_eps_low=3e-3,
+    gspo_eps_high=5e-3,
+):
     """Policy-gradient loss (to minimize) and its metrics: CISPO (Eq. 4, §4), GSPO (A.17.3), DAPO / GRPO (A.2).
 
     logp (S, T) float, the trainer's log-probs with gradient; old_logp (S, T) float, the sampler's behaviour
@@ -228,24 +331,46 @@ def policy_loss(logp, old_logp, adv, weights, loss_type="cispo", *, eps_low=0.2,
     that requires grad or shares memory with logp (rho would be identically 1).
     """
     _check(loss_type in ("cispo", "gspo", "dapo", "grpo"), f"unknown loss_type {loss_type!r}")
-    _check(logp.dim() == 2 and logp.numel() > 0 and old_logp.shape == logp.shape and weights.shape == logp.shape
-           and adv.shape == logp.shape[:1], f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got "
-           f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(weights.shape)}, {tuple(adv.shape)}")
+    _check(
+        logp.dim() == 2
+        and logp.numel() > 0
+        and old_logp.shape == logp.shape
+        and weights.shape == logp.shape
+        and adv.shape == logp.shape[:1],
+        f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got "
+        f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(weights.shape)}, {tuple(adv.shape)}",
+    )
     for name, x in (("logp", logp), ("old_logp", old_logp), ("adv", adv), ("weights", weights)):
         _check(x.is_floating_point(), f"{name} must be float; got {x.dtype}", TypeError)
-    _check(not old_logp.requires_grad, "old_logp requires grad: pass the sampler's behaviour log-probs (a constant)")
-    _check(old_logp.untyped_storage().data_ptr() != logp.untyped_storage().data_ptr(), "old_logp shares memory "
-           "with logp, so rho = 1 everywhere: pass the sampler's behaviour log-probs, not a detached logp")
+    _check(
+        not old_logp.requires_grad,
+        "old_logp requires grad: pass the sampler's behaviour log-probs (a constant)",
+    )
+    _check(
+        old_logp.untyped_storage().data_ptr() != logp.untyped_storage().data_ptr(),
+        "old_logp shares memory "
+        "with logp, so rho = 1 everywhere: pass the sampler's behaviour log-probs, not a detached logp",
+    )
     _check(not bool((weights < 0).any()), "weights must be >= 0")
-    _check(eps_low >= 0 and eps_high >= 0 and gspo_eps_low >= 0 and gspo_eps_high >= 0 and cispo_cap > 0,
-           "clip widths must be >= 0 and cispo_cap > 0")
+    _check(
+        eps_low >= 0
+        and eps_high >= 0
+        and gspo_eps_low >= 0
+        and gspo_eps_high >= 0
+        and cispo_cap > 0,
+        "clip widths must be >= 0 and cispo_cap > 0",
+    )
     valid = weights > 0  # (S, T)
-    lp = torch.where(valid, logp, 0.0)  # (S, T) padding zeroed so nothing there reaches the loss or grads
+    lp = torch.where(
+        valid, logp, 0.0
+    )  # (S, T) padding zeroed so nothing there reaches the loss or grads
     log_rho = lp - torch.where(valid, old_logp, 0.0)  # (S, T)
     rho = log_rho.exp()  # (S, T) token IS ratio against the sampler, Eq. 2
     A = adv.to(logp.dtype)[:, None]  # (S, 1)
     if loss_type == "cispo":
-        term = rho.detach().clamp(max=cispo_cap) * A * lp  # (S, T) Eq. 4: sg(min(rho, cap)) A log pi
+        term = (
+            rho.detach().clamp(max=cispo_cap) * A * lp
+        )  # (S, T) Eq. 4: sg(min(rho, cap)) A log pi
         loss = -(weights * term).sum()
         clipped = rho.detach() > cispo_cap  # (S, T)
     elif loss_type == "gspo":
@@ -254,14 +379,20 @@ def policy_loss(logp, old_logp, adv, weights, loss_type="cispo", *, eps_low=0.2,
         lo, hi = 1 - gspo_eps_low, 1 + gspo_eps_high
         term = torch.minimum(s * A[:, 0], s.clamp(lo, hi) * A[:, 0])  # (S,)
         loss = -(weights.sum(1) * term).sum()  # a sequence weighs the sum of its token weights
-        seq_clipped = ((A[:, 0] > 0) & (s.detach() > hi)) | ((A[:, 0] < 0) & (s.detach() < lo))  # (S,)
+        seq_clipped = ((A[:, 0] > 0) & (s.detach() > hi)) | (
+            (A[:, 0] < 0) & (s.detach() < lo)
+        )  # (S,)
         clipped = seq_clipped[:, None].expand_as(valid)  # (S, T)
     else:
         lo, hi = 1 - eps_low, 1 + eps_high
-        term = torch.minimum(rho * A, rho.clamp(lo, hi) * A)  # (S, T) Eq. 8 (Eq. 7 with eps_low = eps_high)
+        term = torch.minimum(
+            rho * A, rho.clamp(lo, hi) * A
+        )  # (S, T) Eq. 8 (Eq. 7 with eps_low = eps_high)
         loss = -(weights * term).sum()
         r = rho.detach()
-        clipped = ((A > 0) & (r > hi)) | ((A < 0) & (r < lo))  # (S, T) the constant branch is the minimum
+        clipped = ((A > 0) & (r > hi)) | (
+            (A < 0) & (r < lo)
+        )  # (S, T) the constant branch is the minimum
     with torch.no_grad():
         r, n = rho.detach().float(), valid.sum().float()
         metrics = {

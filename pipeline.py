@@ -40,7 +40,9 @@ from tqdm import tqdm
 import generate
 import reward
 
-CLOSE_TIMEOUT = 20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
+CLOSE_TIMEOUT = (
+    20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
+)
 
 
 def accept(version: int, min_version: int, max_lag: int) -> bool:
@@ -89,37 +91,89 @@ class Pipeline:
     version: trainer version of the start weights. Raises ValueError on bad settings, the sampler's start errors.
     """
 
-    def __init__(self, model, prompts, pool, *, group_size: int, prompts_per_batch: int, max_lag: int = 8,
-                 mode: str = "pipeline", max_inflight: int | None = None, sampler_kwargs: dict | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None, reward_fn=reward.math_rewards,
-                 reward_timeout: float = 5.0, gen_timeout: float = 3600.0, version: int = 0):
-        if mode not in ("pipeline", "ppo") or max_lag < (mode == "ppo") or min(group_size, prompts_per_batch) < 1:
-            raise ValueError(f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
-                             f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}")
-        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (loop is not None):
-            raise ValueError("need as many prompts as the pool's n_prompts, and a model directory or a running "
-                             "Sampler together with its event loop")
-        self.G, self.P, self.k, self.mode, self.gen_timeout = group_size, prompts_per_batch, max_lag, mode, gen_timeout
-        self._accept_lag = max_lag if mode == "pipeline" else max_lag - 1  # ppo: lags 0..k-1 by construction
+    def __init__(
+        self,
+        model,
+        prompts,
+        pool,
+        *,
+        group_size: int,
+        prompts_per_batch: int,
+        max_lag: int = 8,
+        mode: str = "pipeline",
+        max_inflight: int | None = None,
+        sampler_kwargs: dict | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        reward_fn=reward.math_rewards,
+        reward_timeout: float = 5.0,
+        gen_timeout: float = 3600.0,
+        version: int = 0,
+    ):
+        if (
+            mode not in ("pipeline", "ppo")
+            or max_lag < (mode == "ppo")
+            or min(group_size, prompts_per_batch) < 1
+        ):
+            raise ValueError(
+                f"need mode 'pipeline' (max_lag >= 0) or 'ppo' (max_lag >= 1), group_size and "
+                f"prompts_per_batch >= 1; got {mode!r}, {max_lag}, {group_size}, {prompts_per_batch}"
+            )
+        if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or isinstance(model, str) == (
+            loop is not None
+        ):
+            raise ValueError(
+                "need as many prompts as the pool's n_prompts, and a model directory or a running "
+                "Sampler together with its event loop"
+            )
+        self.G, self.P, self.k, self.mode, self.gen_timeout = (
+            group_size,
+            prompts_per_batch,
+            max_lag,
+            mode,
+            gen_timeout,
+        )
+        self._accept_lag = (
+            max_lag if mode == "pipeline" else max_lag - 1
+        )  # ppo: lags 0..k-1 by construction
         self.max_inflight = max_inflight or 2 * prompts_per_batch
-        self.prompts, self.pool, self.reward_fn, self.reward_timeout = prompts, pool, reward_fn, reward_timeout
+        self.prompts, self.pool, self.reward_fn, self.reward_timeout = (
+            prompts,
+            pool,
+            reward_fn,
+            reward_timeout,
+        )
         self._cv = threading.Condition()  # guards the state both threads touch
         self._queue: collections.deque[Group] = collections.deque()
-        self._error, self._closed, self._pending = None, False, None  # _pending: newest published (dir, version)
+        self._error, self._closed, self._pending = (
+            None,
+            False,
+            None,
+        )  # _pending: newest published (dir, version)
         self._t_next = self._published = self._released = self._applied = version
-        self._outstanding = self._started = self._round_started = self._round_consumed = self.dropped = 0
-        self._evaluating = 0  # evaluations running: no new group starts meanwhile, so the engine serves them first
+        self._outstanding = self._started = self._round_started = self._round_consumed = (
+            self.dropped
+        ) = 0
+        self._evaluating = (
+            0  # evaluations running: no new group starts meanwhile, so the engine serves them first
+        )
         self._inflight: dict[int, float] = {}  # seq -> start time
         self._idle_s, self._idle_since = 0.0, time.perf_counter()
-        self._wake, self._publish_event = asyncio.Event(), asyncio.Event()  # bound to the loop at first wait
-        self._root = tempfile.mkdtemp(prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._wake, self._publish_event = (
+            asyncio.Event(),
+            asyncio.Event(),
+        )  # bound to the loop at first wait
+        self._root = tempfile.mkdtemp(
+            prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
         atexit.register(self.close)
         try:
             if isinstance(model, str):
                 self.loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self.loop.run_forever, name="pipeline-producer", daemon=True)
+                self._thread = threading.Thread(
+                    target=self.loop.run_forever, name="pipeline-producer", daemon=True
+                )
                 self._thread.start()
                 create = generate.Sampler.create(model, **(sampler_kwargs or {}))
                 self.sampler = asyncio.run_coroutine_threadsafe(create, self.loop).result()
@@ -149,9 +203,15 @@ class Pipeline:
             self._t_next = max(self._t_next, version)
             while True:
                 self._check()
-                for g in [g for g in self._queue if not accept(version, g.min_version, self._accept_lag)]:
+                for g in [
+                    g for g in self._queue if not accept(version, g.min_version, self._accept_lag)
+                ]:
                     self._queue.remove(g)
-                    self._outstanding, dropped, self.dropped = self._outstanding - 1, dropped + 1, self.dropped + 1
+                    self._outstanding, dropped, self.dropped = (
+                        self._outstanding - 1,
+                        dropped + 1,
+                        self.dropped + 1,
+                    )
                     self._poke(self._wake)
                 if len(self._queue) >= self.P:
                     break
@@ -161,23 +221,40 @@ class Pipeline:
                 self._cv.wait(0.5 if left is None else min(0.5, left))
             groups = [self._queue.popleft() for _ in range(self.P)]
             self._outstanding -= self.P
-            self._t_next, self._round_consumed = max(self._t_next, version + 1), self._round_consumed + 1
+            self._t_next, self._round_consumed = (
+                max(self._t_next, version + 1),
+                self._round_consumed + 1,
+            )
             now = time.perf_counter()
             idle = self._idle_s + (0.0 if self._inflight else now - self._idle_since)
             self._idle_s, self._idle_since = 0.0, now
             queued, inflight = len(self._queue), len(self._inflight)
         self._poke(self._wake)
-        lags, comps = [version - g.min_version for g in groups], [c for g in groups for c in g.completions]
+        lags, comps = (
+            [version - g.min_version for g in groups],
+            [c for g in groups for c in g.completions],
+        )
         rewards, mean = [r for g in groups for r in g.rewards], statistics.fmean
-        return Batch(groups, version, {
-            "train/lag_min": min(lags), "train/lag_mean": mean(lags), "train/lag_max": max(lags),
-            "gen/queue_depth": queued, "gen/inflight": inflight, "gen/dropped_stale": dropped,
-            "gen/tokens": sum(len(c.completion_ids) for c in comps),
-            "gen/interrupt_rate": mean(c.interrupted for c in comps),
-            "gen/truncation_rate": mean(c.truncated for c in comps),
-            "gen/reward_mean": mean(rewards), "gen/reward_std": statistics.pstdev(rewards),
-            "time/trainer_wait_s": now - t0, "time/producer_idle_s": idle,
-            "time/group_gen_s": mean(g.gen_s for g in groups)})
+        return Batch(
+            groups,
+            version,
+            {
+                "train/lag_min": min(lags),
+                "train/lag_mean": mean(lags),
+                "train/lag_max": max(lags),
+                "gen/queue_depth": queued,
+                "gen/inflight": inflight,
+                "gen/dropped_stale": dropped,
+                "gen/tokens": sum(len(c.completion_ids) for c in comps),
+                "gen/interrupt_rate": mean(c.interrupted for c in comps),
+                "gen/truncation_rate": mean(c.truncated for c in comps),
+                "gen/reward_mean": mean(rewards),
+                "gen/reward_std": statistics.pstdev(rewards),
+                "time/trainer_wait_s": now - t0,
+                "time/producer_idle_s": idle,
+                "time/group_gen_s": mean(g.gen_s for g in groups),
+            },
+        )
 
     def weights_dir(self, version: int) -> str:
         """A fresh directory (on /dev/shm if there is one) to save a version into for `publish`; the pipeline
@@ -192,8 +269,14 @@ class Pipeline:
         with self._cv:
             self._check()
             if version <= self._published:
-                raise ValueError(f"version {version} must exceed the last published one, {self._published}")
-            old, self._pending, self._published = self._pending, (os.fspath(weights_dir), version), version
+                raise ValueError(
+                    f"version {version} must exceed the last published one, {self._published}"
+                )
+            old, self._pending, self._published = (
+                self._pending,
+                (os.fspath(weights_dir), version),
+                version,
+            )
             self._t_next = max(self._t_next, version)
             if release := self.mode == "pipeline" or self._round_consumed >= self.k:
                 self._released, self._round_consumed = version, 0
@@ -202,8 +285,15 @@ class Pipeline:
         if release:
             self._poke(self._publish_event)
 
-    def evaluate(self, prompts, n: int, temperature: float | None = None, timeout: float | None = None,
-                 greedy: bool = False, progress: bool = False):
+    def evaluate(
+        self,
+        prompts,
+        n: int,
+        temperature: float | None = None,
+        timeout: float | None = None,
+        greedy: bool = False,
+        progress: bool = False,
+    ):
         """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
         metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
         eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
@@ -212,7 +302,9 @@ class Pipeline:
         while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
         go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Raises the sampler's or reward's
         errors, TimeoutError after `timeout` s."""
-        future = asyncio.run_coroutine_threadsafe(self._evaluate(prompts, n, temperature, greedy, progress), self.loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._evaluate(prompts, n, temperature, greedy, progress), self.loop
+        )
         try:
             return future.result(timeout)
         except BaseException:
@@ -231,13 +323,17 @@ class Pipeline:
         atexit.unregister(self.close)
         if self._producer is not None:
             self._on_loop(self._stop())
-        waiter = threading.Thread(target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+        waiter = threading.Thread(
+            target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
+        )
         waiter.start()  # running reward calls hold workers that reward.close() would leave alive
         waiter.join(CLOSE_TIMEOUT)
         if self._thread is not None:
             if self.sampler is not None:
                 self.sampler.shutdown()
-                self._on_loop(asyncio.sleep(0.2))  # let vLLM's cancelled tasks finish before the loop stops
+                self._on_loop(
+                    asyncio.sleep(0.2)
+                )  # let vLLM's cancelled tasks finish before the loop stops
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
             if not self._thread.is_alive():
@@ -264,15 +360,29 @@ class Pipeline:
                 task.cancel()  # vLLM aborts a cancelled request
             await asyncio.gather(*tasks, updater, return_exceptions=True)
 
-    def _claim(self) -> int | None:  # the start order of a group that may start now (counted as started), or None
+    def _claim(
+        self,
+    ) -> int | None:  # the start order of a group that may start now (counted as started), or None
         with self._cv:
-            if (self._error or self._closed or self._evaluating or len(self._inflight) >= self.max_inflight or not (
-                    self._round_started < self.k * self.P if self.mode == "ppo"  # k batches per weight version
-                    else may_start(self._t_next, self._outstanding, self.P, self._applied, self.k))):
+            if (
+                self._error
+                or self._closed
+                or self._evaluating
+                or len(self._inflight) >= self.max_inflight
+                or not (
+                    self._round_started < self.k * self.P
+                    if self.mode == "ppo"  # k batches per weight version
+                    else may_start(self._t_next, self._outstanding, self.P, self._applied, self.k)
+                )
+            ):
                 return None
             seq, now = self._started, time.perf_counter()
             self._idle_s += 0.0 if self._inflight else now - self._idle_since
-            self._inflight[seq], self._started, self._outstanding = now, seq + 1, self._outstanding + 1
+            self._inflight[seq], self._started, self._outstanding = (
+                now,
+                seq + 1,
+                self._outstanding + 1,
+            )
             self._round_started += 1
             return seq
 
@@ -281,22 +391,47 @@ class Pipeline:
         t0, deadline = time.perf_counter(), asyncio.timeout(self.gen_timeout)
         try:
             async with deadline:
-                comps = await self.sampler.generate(prompt.prompt_ids, n=self.G, thinking=prompt.thinking)
+                comps = await self.sampler.generate(
+                    prompt.prompt_ids, n=self.G, thinking=prompt.thinking
+                )
                 rewards = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.reward_fn, [c.text for c in comps], [prompt.gold] * self.G, prompt.thinking,
-                    self.reward_timeout)
+                    self._executor,
+                    self.reward_fn,
+                    [c.text for c in comps],
+                    [prompt.gold] * self.G,
+                    prompt.thinking,
+                    self.reward_timeout,
+                )
             if len(rewards) != self.G:
-                raise ValueError(f"reward_fn returned {len(rewards)} rewards for {self.G} completions")
-            for c in comps:  # sampler versions -> trainer versions (a completion holds a few distinct ones)
+                raise ValueError(
+                    f"reward_fn returned {len(rewards)} rewards for {self.G} completions"
+                )
+            for c in (
+                comps
+            ):  # sampler versions -> trainer versions (a completion holds a few distinct ones)
                 u, inv = c.versions.unique(return_inverse=True)
-                c.versions = torch.tensor([self._vmap[v] for v in u.tolist()], dtype=torch.int64)[inv]
+                c.versions = torch.tensor([self._vmap[v] for v in u.tolist()], dtype=torch.int64)[
+                    inv
+                ]
             sampled = torch.cat([c.versions[c.mask] for c in comps])
-            group = Group(prompt, index, comps, [float(r) for r in rewards], int(sampled.min()), int(sampled.max()),
-                          seq, time.perf_counter() - t0)
+            group = Group(
+                prompt,
+                index,
+                comps,
+                [float(r) for r in rewards],
+                int(sampled.min()),
+                int(sampled.max()),
+                seq,
+                time.perf_counter() - t0,
+            )
         except Exception as exc:
-            hang = TimeoutError(f"group {seq} (prompt {index}) was not sampled and scored within "
-                                f"gen_timeout={self.gen_timeout} s")  # clearer than asyncio's bare TimeoutError
-            return self._fail(hang if deadline.expired() else exc, f"generating or scoring group {seq}")
+            hang = TimeoutError(
+                f"group {seq} (prompt {index}) was not sampled and scored within "
+                f"gen_timeout={self.gen_timeout} s"
+            )  # clearer than asyncio's bare TimeoutError
+            return self._fail(
+                hang if deadline.expired() else exc, f"generating or scoring group {seq}"
+            )
         finally:
             with self._cv:
                 del self._inflight[seq]
@@ -318,14 +453,19 @@ class Pipeline:
             self._vmap[expected := self.sampler.version + 1] = job[1]
             # Shielded: a load cancelled halfway could leave the engine paused, so close() waits for it instead.
             self._loading = asyncio.ensure_future(self.sampler.update_weights(job[0]))
-            self._loading.add_done_callback(lambda _, path=job[0]: self._remove(path))  # read to the end, deleted
+            self._loading.add_done_callback(
+                lambda _, path=job[0]: self._remove(path)
+            )  # read to the end, deleted
             try:
                 if (new := await asyncio.shield(self._loading)) != expected:
                     raise RuntimeError(f"the sampler went to version {new}, expected {expected}")
             except Exception as exc:
                 return self._fail(exc, f"loading the weights of version {job[1]} from {job[0]}")
             with self._cv:
-                self._applied, self._round_started = job[1], 0 if self.mode == "ppo" else self._round_started
+                self._applied, self._round_started = (
+                    job[1],
+                    0 if self.mode == "ppo" else self._round_started,
+                )
                 self._cv.notify_all()
             self._wake.set()
 
@@ -336,7 +476,13 @@ class Pipeline:
             await asyncio.sleep(0.05)
         version, loop = self._applied, asyncio.get_running_loop()
         jobs = [(p, n, temperature) for p in prompts] + [(p, 1, 0.0) for p in prompts if greedy]
-        bar = tqdm(total=len(jobs), desc=f"eval (version {version})", unit="prompt", leave=False, disable=not progress)
+        bar = tqdm(
+            total=len(jobs),
+            desc=f"eval (version {version})",
+            unit="prompt",
+            leave=False,
+            disable=not progress,
+        )
 
         async def sample(p, k, t):
             g = await self.sampler.generate(p.prompt_ids, n=k, thinking=p.thinking, temperature=t)
@@ -352,25 +498,57 @@ class Pipeline:
             with self._cv:
                 self._evaluating -= 1
             self._wake.set()
-        rewards = await asyncio.gather(*[loop.run_in_executor(self._executor, self.reward_fn, [c.text for c in g],
-                                                              [p.gold] * k, p.thinking, self.reward_timeout)
-                                         for (p, k, _), g in zip(jobs, groups, strict=True)])
-        records = [{"index": p.index, "sample": j, "text": c.text, "gold": p.gold, "reward": float(rs[j]),
-                    "tokens": len(c.completion_ids), "interrupted": c.interrupted, "truncated": c.truncated,
-                    "version": version} for p, g, rs in zip(prompts, groups, rewards, strict=False)
-                   for j, c in enumerate(g)]  # the sampled ones; greedy ones follow in groups[len(prompts):]
+        rewards = await asyncio.gather(
+            *[
+                loop.run_in_executor(
+                    self._executor,
+                    self.reward_fn,
+                    [c.text for c in g],
+                    [p.gold] * k,
+                    p.thinking,
+                    self.reward_timeout,
+                )
+                for (p, k, _), g in zip(jobs, groups, strict=True)
+            ]
+        )
+        records = [
+            {
+                "index": p.index,
+                "sample": j,
+                "text": c.text,
+                "gold": p.gold,
+                "reward": float(rs[j]),
+                "tokens": len(c.completion_ids),
+                "interrupted": c.interrupted,
+                "truncated": c.truncated,
+                "version": version,
+            }
+            for p, g, rs in zip(prompts, groups, rewards, strict=False)
+            for j, c in enumerate(g)
+        ]  # the sampled ones; greedy ones follow in groups[len(prompts):]
         mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
-        metrics = {"eval/pass_rate": mean("reward"), "eval/mean_len": mean("tokens"), "eval/version": version,
-                   "eval/truncation_rate": mean("truncated"), "eval/interrupt_rate": mean("interrupted")}
+        metrics = {
+            "eval/pass_rate": mean("reward"),
+            "eval/mean_len": mean("tokens"),
+            "eval/version": version,
+            "eval/truncation_rate": mean("truncated"),
+            "eval/interrupt_rate": mean("interrupted"),
+        }
         if greedy:
-            metrics["eval/greedy_pass_rate"] = statistics.fmean(rs[0] for rs in rewards[len(prompts):])
+            metrics["eval/greedy_pass_rate"] = statistics.fmean(
+                rs[0] for rs in rewards[len(prompts) :]
+            )
         return metrics, records
 
     async def _stop(self) -> None:
         self._task.cancel()
-        await asyncio.gather(self._task, *[self._loading] if self._loading else [], return_exceptions=True)
+        await asyncio.gather(
+            self._task, *[self._loading] if self._loading else [], return_exceptions=True
+        )
 
-    def _on_loop(self, coro) -> None:  # for close(): a stuck loop must not keep it from shutting the rest down
+    def _on_loop(
+        self, coro
+    ) -> None:  # for close(): a stuck loop must not keep it from shutting the rest down
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(coro, self.loop).result(CLOSE_TIMEOUT)
 
@@ -396,8 +574,14 @@ class Pipeline:
 
     def _describe(self, version: int, timeout: float) -> str:  # with self._cv held
         oldest = time.perf_counter() - min(self._inflight.values(), default=time.perf_counter())
-        doing = (f"generating {len(self._inflight)} groups, the oldest for {oldest:.1f} s" if self._inflight
-                 else f"loading the weights of version {self._released}" if self._applied < self._released
-                 else f"throttled (mode {self.mode}, k={self.k}): waiting for newer weights to be published")
-        return (f"no batch of {self.P} groups for trainer version {version} within {timeout} s: {len(self._queue)} "
-                f"queued, sampler at version {self._applied}, last published {self._published}; producer: {doing}")
+        doing = (
+            f"generating {len(self._inflight)} groups, the oldest for {oldest:.1f} s"
+            if self._inflight
+            else f"loading the weights of version {self._released}"
+            if self._applied < self._released
+            else f"throttled (mode {self.mode}, k={self.k}): waiting for newer weights to be published"
+        )
+        return (
+            f"no batch of {self.P} groups for trainer version {version} within {timeout} s: {len(self._queue)} "
+            f"queued, sampler at version {self._applied}, last published {self._published}; producer: {doing}"
+        )

@@ -31,11 +31,19 @@ from multiprocessing.connection import wait
 
 WORKERS = min(8, os.cpu_count() or 1)  # pool size; set before the first call to change it
 MAX_ANSWER_CHARS = 1000
-STARTUP_TIMEOUT = 120.0  # seconds for a worker to import math-verify; beyond it the machine is broken, so raise
-WORKER_MEMORY = 4 << 30  # bytes of address space per worker: a runaway sympy expression gets MemoryError, not the host
-_WORKER_CMD = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-               "import reward; reward._worker_loop()")
-STATS = collections.Counter()  # graded / timeout / worker_died / no_answer / too_long, over the process lifetime
+STARTUP_TIMEOUT = (
+    120.0  # seconds for a worker to import math-verify; beyond it the machine is broken, so raise
+)
+WORKER_MEMORY = (
+    4 << 30
+)  # bytes of address space per worker: a runaway sympy expression gets MemoryError, not the host
+_WORKER_CMD = (
+    f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    "import reward; reward._worker_loop()"
+)
+STATS = (
+    collections.Counter()
+)  # graded / timeout / worker_died / no_answer / too_long, over the process lifetime
 _LOCK = threading.Lock()  # guards STATS and the module's pool
 _BOX = re.compile(r"\\boxed\s*\{")
 _BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
@@ -57,9 +65,11 @@ def extract_boxed(text: str) -> str | None:
         return None
     depth = 0
     for m in _BRACE.finditer(text, i):
-        depth += {"{": 1, "}": -1}.get(m[0], 0)  # an escape pair (\\{, \\}, \\\\) is a character, not grouping
+        depth += {"{": 1, "}": -1}.get(
+            m[0], 0
+        )  # an escape pair (\\{, \\}, \\\\) is a character, not grouping
         if depth == 0:
-            return text[i + 1:m.start()]
+            return text[i + 1 : m.start()]
     return None
 
 
@@ -67,7 +77,9 @@ def _prepare(response: str, gold: str, thinking: bool) -> tuple[str, str] | None
     """(gold answer, predicted answer) to grade, or None when the response scores 0 without grading."""
     gold_ans = extract_boxed(gold) if "\\boxed" in gold else gold
     if gold_ans is None or not gold_ans.strip():
-        raise ValueError(f"gold answer has no usable content (empty, or an unclosed \\boxed): {gold[:80]!r}")
+        raise ValueError(
+            f"gold answer has no usable content (empty, or an unclosed \\boxed): {gold[:80]!r}"
+        )
     if thinking:  # never closing the thinking means no final answer
         response = response.rsplit("</think>", 1)[1] if "</think>" in response else ""
     pred = extract_boxed(response)
@@ -81,12 +93,16 @@ def _prepare(response: str, gold: str, thinking: bool) -> tuple[str, str] | None
 def _worker_loop() -> None:
     """Worker process: read one JSON [gold, pred, op_timeout] line per item from stdin, write b"1" or b"0"."""
     import resource
+
     out = os.dup(1)
     os.dup2(2, 1)  # stray prints from sympy go to stderr; fd `out` carries verdicts only
     logging.disable(logging.CRITICAL)  # math-verify logs every timeout, with the whole input
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY if hard < 0 else min(WORKER_MEMORY, hard), hard))
+    resource.setrlimit(
+        resource.RLIMIT_AS, (WORKER_MEMORY if hard < 0 else min(WORKER_MEMORY, hard), hard)
+    )
     from math_verify import parse, verify
+
     parse("\\boxed{1}")  # compile math-verify's regexes before reporting ready
     os.write(out, b"R")
     for line in sys.stdin:  # EOF (the parent closed us or died) ends the worker
@@ -94,9 +110,14 @@ def _worker_loop() -> None:
         try:
             gold, pred, t = json.loads(line)
             # Main thread of this process, so math-verify's signal.alarm timeouts work; gold first (asymmetric).
-            ok = verify(parse(f"\\boxed{{{gold}}}", parsing_timeout=t), parse(f"\\boxed{{{pred}}}", parsing_timeout=t),
-                        timeout_seconds=t)
-        except BaseException:  # timeout, MemoryError, RecursionError: hostile output is simply wrong
+            ok = verify(
+                parse(f"\\boxed{{{gold}}}", parsing_timeout=t),
+                parse(f"\\boxed{{{pred}}}", parsing_timeout=t),
+                timeout_seconds=t,
+            )
+        except (
+            BaseException
+        ):  # timeout, MemoryError, RecursionError: hostile output is simply wrong
             pass
         os.write(out, b"1" if ok else b"0")
 
@@ -105,11 +126,17 @@ class _Worker:
     """One grading process, used by one thread at a time (it travels through the slot queue)."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CMD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True)  # no Ctrl-C tracebacks
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CMD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )  # no Ctrl-C tracebacks
         self.ready = False
 
-    def _read(self, timeout: float) -> bytes | None:  # None on timeout, b"" at EOF; poll-based: any fd number works
+    def _read(
+        self, timeout: float
+    ) -> bytes | None:  # None on timeout, b"" at EOF; poll-based: any fd number works
         fd = self.proc.stdout.fileno()
         return os.read(fd, 1) if wait([fd], max(timeout, 0.0)) else None
 
@@ -117,7 +144,9 @@ class _Worker:
         """Verdict, or None when the worker overran `timeout` (then it must be killed).
         Raises BrokenPipeError when the worker is dead (killed while idle, or crashed on this input)."""
         if not self.ready and self._read(STARTUP_TIMEOUT) != b"R":
-            raise RuntimeError(f"reward worker failed to start within {STARTUP_TIMEOUT:.0f} s (see its stderr)")
+            raise RuntimeError(
+                f"reward worker failed to start within {STARTUP_TIMEOUT:.0f} s (see its stderr)"
+            )
         self.ready = True
         # math-verify's per-operation alarm sits well inside our deadline, so most overruns end in-worker
         self.proc.stdin.write(json.dumps([gold, pred, max(1, int(timeout / 4))]).encode() + b"\n")
@@ -132,7 +161,9 @@ class _Worker:
         self.proc.wait()  # reaped: no zombie, no orphan
 
 
-_SLOTS: queue.LifoQueue | None = None  # WORKERS tokens: a running _Worker, or None (start on demand); LIFO reuses
+_SLOTS: queue.LifoQueue | None = (
+    None  # WORKERS tokens: a running _Worker, or None (start on demand); LIFO reuses
+)
 # started workers first, so a light load keeps the pool small
 
 
@@ -164,14 +195,18 @@ def _grade(pair: tuple[str, str], timeout: float) -> float:
         slots = _SLOTS
     worker, ok, outcome = slots.get(), None, "timeout"  # blocks while all WORKERS are busy
     try:
-        for _ in range(2):  # a worker can die idle (OOM killer) and still look alive until its exit finishes
+        for _ in range(
+            2
+        ):  # a worker can die idle (OOM killer) and still look alive until its exit finishes
             if worker is None or worker.proc.poll() is not None:  # not started yet, or known dead
                 worker = _Worker()
             try:
                 ok = worker.grade(*pair, timeout)
                 outcome = "graded" if ok is not None else "timeout"
                 break
-            except OSError:  # dead: retry once on a fresh worker; dying twice on one input scores it 0
+            except (
+                OSError
+            ):  # dead: retry once on a fresh worker; dying twice on one input scores it 0
                 worker.kill()
                 worker, outcome = None, "worker_died"
     finally:
@@ -192,7 +227,9 @@ def math_reward(response: str, gold: str, thinking: bool = True, timeout: float 
     return math_rewards([response], [gold], thinking, timeout)[0]
 
 
-def math_rewards(responses: list[str], golds: list[str], thinking: bool = True, timeout: float = 5.0) -> list[float]:
+def math_rewards(
+    responses: list[str], golds: list[str], thinking: bool = True, timeout: float = 5.0
+) -> list[float]:
     """`math_reward` over a batch -> len(responses) floats, graded in parallel on the pool, each distinct (gold,
     answer) pair once. Raises as `math_reward`, and ValueError on mismatched lengths. Returns within about
     `timeout` + honest grading work / WORKERS while at most WORKERS distinct answers overrun (each holds a worker)."""

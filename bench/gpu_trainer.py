@@ -55,16 +55,23 @@ class Policy(torch.nn.Module):
         self.lm, self.head_dtype = lm, head_dtype
 
     def forward(self, input_ids, mask):
-        hidden = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state  # (S, T, H); causal, no pad
-        return loss.completion_logprobs(hidden, self.lm.lm_head.weight, input_ids, mask,
-                                        head_dtype=self.head_dtype)  # (S, T) float32
+        hidden = self.lm.model(
+            input_ids=input_ids, use_cache=False
+        ).last_hidden_state  # (S, T, H); causal, no pad
+        return loss.completion_logprobs(
+            hidden, self.lm.lm_head.weight, input_ids, mask, head_dtype=self.head_dtype
+        )  # (S, T) float32
 
 
 def train_step(policy, optimizer, input_ids, mask, adv):
     logp = policy(input_ids, mask)  # (S, T) float32, 0 off the mask
-    l = -(adv[:, None] * logp).sum() / mask.sum()  # denominator: every predicted token of the batch, one rank
+    l = (
+        -(adv[:, None] * logp).sum() / mask.sum()
+    )  # denominator: every predicted token of the batch, one rank
     l.backward()
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)  # as train_step: a global norm over the shards
+    torch.nn.utils.clip_grad_norm_(
+        policy.parameters(), 1.0
+    )  # as train_step: a global norm over the shards
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return l.detach()
@@ -78,14 +85,23 @@ def free_port():
 
 def part_logprobs(a):
     """Part 2: {(trainable, variant): {extra_bytes, seconds, ...}} from bench/logprobs.py's fresh-process workers."""
-    ns = argparse.Namespace(device=a.device, dtype="bf16", n=a.tokens, v=a.vocab, h=a.hidden,
-                            repeats=3 if a.device.startswith("cuda") else 1)
+    ns = argparse.Namespace(
+        device=a.device,
+        dtype="bf16",
+        n=a.tokens,
+        v=a.vocab,
+        h=a.hidden,
+        repeats=3 if a.device.startswith("cuda") else 1,
+    )
     out = {}
     for trainable in (False, True):
         for variant in ("naive", "chunked"):
             r = out[trainable, variant] = bench_logprobs.run(ns, variant, trainable)
-            print(f"token_logprobs {'trainable' if trainable else 'frozen':9s} head {variant:7s} extra memory "
-                  f"{r['extra_bytes'] / 2**30:7.3f} GiB  time {r['seconds']:.4f} s", flush=True)
+            print(
+                f"token_logprobs {'trainable' if trainable else 'frozen':9s} head {variant:7s} extra memory "
+                f"{r['extra_bytes'] / 2**30:7.3f} GiB  time {r['seconds']:.4f} s",
+                flush=True,
+            )
     return out
 
 
@@ -100,28 +116,50 @@ def part_train(a):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     S, T = a.seqs, a.tokens // a.seqs
-    cfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      head_dim=a.head_dim, max_position_embeddings=max(40_960, T), tie_word_embeddings=False,
-                      use_cache=False, attn_implementation="sdpa")
+    cfg = Qwen3Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        max_position_embeddings=max(40_960, T),
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
-    with device:  # initialised in place on the GPU: 2.8 B fp32 parameters are slow to build on the CPU
+    with (
+        device
+    ):  # initialised in place on the GPU: 2.8 B fp32 parameters are slow to build on the CPU
         lm = Qwen3ForCausalLM(cfg).float()  # fp32 master weights
     n_dense = sum(p.numel() for p in lm.parameters()) - lm.model.embed_tokens.weight.numel()
     policy = Policy(lm, torch.bfloat16 if a.head_dtype == "bf16" else torch.float32)
     # FSDP2 as train.shard / torchtitan: each decoder layer, then the root; bf16 compute, fp32 reduce (GPU only)
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if cuda else {}
+    kw = (
+        dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        if cuda
+        else {}
+    )
     for layer in lm.model.layers:
         fully_shard(layer, **kw)
     fully_shard(policy, **kw)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, eps=1e-15, weight_decay=0.01)  # config.py's
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=1e-6, eps=1e-15, weight_decay=0.01
+    )  # config.py's
     gen = torch.Generator(device).manual_seed(0)
     input_ids = torch.randint(0, a.vocab, (S, T), device=device, generator=gen)  # (S, T)
-    mask = torch.ones(S, T, dtype=torch.bool, device=device)  # (S, T) every token a completion token ...
+    mask = torch.ones(
+        S, T, dtype=torch.bool, device=device
+    )  # (S, T) every token a completion token ...
     mask[:, 0] = False  # ... but the first, which nothing predicts
     adv = torch.randn(S, device=device, generator=gen)  # (S,)
-    print(f"train: {a.layers} layers x H {a.hidden}, {n_dense / 1e6:,.1f} M non-embedding params, S={S} x T={T}, "
-          f"{a.head_dtype} head, {'NCCL, bf16 params / fp32 reduce' if cuda else 'gloo, fp32'}", flush=True)
+    print(
+        f"train: {a.layers} layers x H {a.hidden}, {n_dense / 1e6:,.1f} M non-embedding params, S={S} x T={T}, "
+        f"{a.head_dtype} head, {'NCCL, bf16 params / fp32 reduce' if cuda else 'gloo, fp32'}",
+        flush=True,
+    )
     times = []
     for i in range(a.warmup + a.steps):
         if cuda:
@@ -135,18 +173,34 @@ def part_train(a):
         dt = time.perf_counter() - t0
         if i >= a.warmup:
             times.append(dt)
-        print(f"  step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.3f} s, loss {l.item():+.4f}", flush=True)
+        print(
+            f"  step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.3f} s, loss {l.item():+.4f}",
+            flush=True,
+        )
     # CUDA: peak allocated over the timed steps; CPU: peak RSS of the whole process (ru_maxrss is in KiB on Linux)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    attn = 6 * a.layers * a.heads * a.head_dim * T  # causal attention flops per token, forward + backward
-    flops = [S * T * (6 * n_dense + attn), S * T * (6 * n_dense + 2 * attn)]  # causal, full T^2 (torchtitan)
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    )
+    attn = (
+        6 * a.layers * a.heads * a.head_dim * T
+    )  # causal attention flops per token, forward + backward
+    flops = [
+        S * T * (6 * n_dense + attn),
+        S * T * (6 * n_dense + 2 * attn),
+    ]  # causal, full T^2 (torchtitan)
     dist.destroy_process_group()
     return sum(times) / len(times), peak, flops
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda (NCCL, bf16 mixed precision) or cpu (gloo, fp32)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device", default="cuda", help="cuda (NCCL, bf16 mixed precision) or cpu (gloo, fp32)"
+    )
     p.add_argument("--layers", type=int, default=8, help="decoder layers (Qwen3-8B has 36)")
     p.add_argument("--hidden", type=int, default=4096, help="hidden size H (Qwen3-8B)")
     p.add_argument("--intermediate", type=int, default=12_288, help="MLP size (Qwen3-8B)")
@@ -154,18 +208,37 @@ def main():
     p.add_argument("--kv-heads", type=int, default=8, help="key / value heads (Qwen3-8B)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head size (Qwen3-8B)")
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary V (Qwen3)")
-    p.add_argument("--tokens", type=int, default=16_384, help="tokens per step, all sequences together; part 2's N")
-    p.add_argument("--seqs", type=int, default=1, help="sequences per step S, each --tokens / S long")
-    p.add_argument("--head-dtype", default="fp32", choices=["fp32", "bf16"], help="LM head matmul dtype (§3.2)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=16_384,
+        help="tokens per step, all sequences together; part 2's N",
+    )
+    p.add_argument(
+        "--seqs", type=int, default=1, help="sequences per step S, each --tokens / S long"
+    )
+    p.add_argument(
+        "--head-dtype", default="fp32", choices=["fp32", "bf16"], help="LM head matmul dtype (§3.2)"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed train steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed train steps first")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 / H200 SXM: 989)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 / H200 SXM: 989)"
+    )
     p.add_argument("--only", choices=["train", "logprobs"], help="run one part (default both)")
     a = p.parse_args()
-    assert a.tokens % a.seqs == 0 and a.steps >= 1 and a.warmup >= 0, "--tokens % --seqs == 0, --steps >= 1"
+    assert a.tokens % a.seqs == 0 and a.steps >= 1 and a.warmup >= 0, (
+        "--tokens % --seqs == 0, --steps >= 1"
+    )
     cuda = a.device.startswith("cuda")
-    where = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if cuda else f"CPU, {os.cpu_count()} cores"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {where}", flush=True)
+    where = (
+        f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+        if cuda
+        else f"CPU, {os.cpu_count()} cores"
+    )
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {where}", flush=True
+    )
     lp = part_logprobs(a) if a.only != "train" else None
     tr = part_train(a) if a.only != "logprobs" else None
 
@@ -173,22 +246,40 @@ def main():
     if tr:
         sec, peak, flops = tr
         mfu = [f / sec / (a.peak_tflops * 1e12) for f in flops]
-        rows += [(f"train step: {a.layers} layers (Qwen3-8B: 36) x H {a.hidden}, V {a.vocab}, {a.seqs} x "
-                  f"{a.tokens // a.seqs} tokens, {a.head_dtype} head", f"{sec:.3f} s"),
-                 ("tokens / s", f"{a.tokens / sec:,.0f}"),
-                 (f"MFU vs {a.peak_tflops:g} TFLOP/s (causal attention / full T^2)", f"{mfu[0]:.1%} / {mfu[1]:.1%}"),
-                 ("peak memory (allocated)" if cuda else "peak memory (RSS)", f"{peak / 2**30:.2f} GiB")]
+        rows += [
+            (
+                f"train step: {a.layers} layers (Qwen3-8B: 36) x H {a.hidden}, V {a.vocab}, {a.seqs} x "
+                f"{a.tokens // a.seqs} tokens, {a.head_dtype} head",
+                f"{sec:.3f} s",
+            ),
+            ("tokens / s", f"{a.tokens / sec:,.0f}"),
+            (
+                f"MFU vs {a.peak_tflops:g} TFLOP/s (causal attention / full T^2)",
+                f"{mfu[0]:.1%} / {mfu[1]:.1%}",
+            ),
+            ("peak memory (allocated)" if cuda else "peak memory (RSS)", f"{peak / 2**30:.2f} GiB"),
+        ]
     for trainable in (False, True) if lp else ():
         naive, chunked = lp[trainable, "naive"], lp[trainable, "chunked"]
         head = "trainable" if trainable else "frozen"
         m, t = chunked["extra_bytes"] / naive["extra_bytes"], chunked["seconds"] / naive["seconds"]
-        rows += [(f"token_logprobs vs naive, {head} head, N {a.tokens} V {a.vocab} H {a.hidden}: extra memory",
-                  f"{chunked['extra_bytes'] / 2**30:.2f} / {naive['extra_bytes'] / 2**30:.2f} GiB ({m:.1%})"),
-                 (f"token_logprobs vs naive, {head} head: fwd + bwd time",
-                  f"{chunked['seconds']:.3f} / {naive['seconds']:.3f} s ({t:.2f}x)")]
+        rows += [
+            (
+                f"token_logprobs vs naive, {head} head, N {a.tokens} V {a.vocab} H {a.hidden}: extra memory",
+                f"{chunked['extra_bytes'] / 2**30:.2f} / {naive['extra_bytes'] / 2**30:.2f} GiB ({m:.1%})",
+            ),
+            (
+                f"token_logprobs vs naive, {head} head: fwd + bwd time",
+                f"{chunked['seconds']:.3f} / {naive['seconds']:.3f} s ({t:.2f}x)",
+            ),
+        ]
     if tr and lp and a.head_dtype == "fp32":
-        rows.append(("share of the train step in the fp32 head (part 2, trainable)",
-                     f"{lp[True, 'chunked']['seconds'] / tr[0]:.0%}"))
+        rows.append(
+            (
+                "share of the train step in the fp32 head (part 2, trainable)",
+                f"{lp[True, 'chunked']['seconds'] / tr[0]:.0%}",
+            )
+        )
     w = max(len(r[0]) for r in rows)
     print(f"\n| {'quantity':{w}s} | value |\n|{'-' * (w + 2)}|-------|")
     for k, v in rows:

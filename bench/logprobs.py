@@ -26,12 +26,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loss  # noqa: E402
 
-TARGETS = {False: 0.15, True: 0.25}  # extra memory, chunked / naive: frozen head, trainable head (issue 2)
+TARGETS = {
+    False: 0.15,
+    True: 0.25,
+}  # extra memory, chunked / naive: frozen head, trainable head (issue 2)
 TIME_TARGET = 1.5  # chunked / naive wall time
 
 
 def naive_logprobs(hidden, weight, targets):
-    logits = hidden.float() @ weight.float().T  # (N, V) fp32, the tensor token_logprobs never builds
+    logits = (
+        hidden.float() @ weight.float().T
+    )  # (N, V) fp32, the tensor token_logprobs never builds
     return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]  # (N,)
 
 
@@ -44,7 +49,9 @@ def worker(a):
     dev, dtype = torch.device(a.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     gen = torch.Generator(dev).manual_seed(0)
     # generated in place: no temporary would inflate the baseline peak
-    hidden = torch.empty(a.n, a.h, device=dev, dtype=dtype).normal_(0, 1, generator=gen).requires_grad_()
+    hidden = (
+        torch.empty(a.n, a.h, device=dev, dtype=dtype).normal_(0, 1, generator=gen).requires_grad_()
+    )
     weight = torch.empty(a.v, a.h, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen)
     weight.requires_grad_(a.trainable)
     targets = torch.randint(0, a.v, (a.n,), device=dev, generator=gen)
@@ -68,32 +75,74 @@ def worker(a):
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"extra_bytes": peak - base, "seconds": min(times), "logp_sum": logp.double().sum().item(),
-           "grad_h_norm": hidden.grad.double().norm().item(),
-           "grad_w_norm": weight.grad.double().norm().item() if a.trainable else 0.0}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    out = {
+        "extra_bytes": peak - base,
+        "seconds": min(times),
+        "logp_sum": logp.double().sum().item(),
+        "grad_h_norm": hidden.grad.double().norm().item(),
+        "grad_w_norm": weight.grad.double().norm().item() if a.trainable else 0.0,
+    }
     print("RESULT " + json.dumps(out))
 
 
 def run(a, variant, trainable):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--device", a.device, "--dtype", a.dtype,
-           "--n", str(a.n), "--v", str(a.v), "--h", str(a.h), "--repeats", str(a.repeats)]
-    proc = subprocess.run(cmd + (["--trainable"] if trainable else []), capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+        "--n",
+        str(a.n),
+        "--v",
+        str(a.v),
+        "--h",
+        str(a.h),
+        "--repeats",
+        str(a.repeats),
+    ]
+    proc = subprocess.run(
+        cmd + (["--trainable"] if trainable else []), capture_output=True, text=True
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"{variant} worker failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise SystemExit(
+            f"{variant} worker failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of hidden states and head")
+    p.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of hidden states and head"
+    )
     p.add_argument("--n", type=int, default=4096, help="tokens N")
     p.add_argument("--v", type=int, default=151_936, help="vocabulary V (Qwen3)")
     p.add_argument("--h", type=int, default=1024, help="hidden size H (Qwen3-0.6B)")
-    p.add_argument("--repeats", type=int, default=None, help="passes per variant, fastest counts (cpu 1, cuda 3)")
-    p.add_argument("--rounds", type=int, default=1, help="alternating fresh-process runs per variant, fastest counts")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="passes per variant, fastest counts (cpu 1, cuda 3)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternating fresh-process runs per variant, fastest counts",
+    )
     p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--trainable", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -103,26 +152,45 @@ def main():
     import inspect
 
     chunk = inspect.signature(loss.token_logprobs).parameters["chunk_size"].default
-    print(f"token_logprobs vs naive, fwd+bwd: N={a.n} V={a.v} H={a.h} {a.dtype} on {a.device}, chunk_size={chunk}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={a.repeats}, rounds={a.rounds}")
+    print(
+        f"token_logprobs vs naive, fwd+bwd: N={a.n} V={a.v} H={a.h} {a.dtype} on {a.device}, chunk_size={chunk}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={a.repeats}, rounds={a.rounds}"
+    )
     ok = True
     for trainable in (False, True):
         runs = {"naive": [], "chunked": []}
-        for _ in range(a.rounds):  # alternate, so a load change on a shared machine hits both variants
+        for _ in range(
+            a.rounds
+        ):  # alternate, so a load change on a shared machine hits both variants
             for variant in runs:
                 runs[variant].append(run(a, variant, trainable))
-        naive, chunked = ({**rs[-1], "seconds": min(r["seconds"] for r in rs),
-                           "extra_bytes": max(r["extra_bytes"] for r in rs)} for rs in runs.values())
+        naive, chunked = (
+            {
+                **rs[-1],
+                "seconds": min(r["seconds"] for r in rs),
+                "extra_bytes": max(r["extra_bytes"] for r in rs),
+            }
+            for rs in runs.values()
+        )
         head = "trainable" if trainable else "frozen"
         for name, r in (("naive", naive), ("chunked", chunked)):
-            print(f"  {head:9s} head  {name:7s}  extra memory {r['extra_bytes'] / 2**30:6.2f} GiB  "
-                  f"time {r['seconds']:7.2f} s")
-        mem, t = chunked["extra_bytes"] / naive["extra_bytes"], chunked["seconds"] / naive["seconds"]
-        agree = all(abs(chunked[k] - naive[k]) <= 1e-4 * max(1.0, abs(naive[k]))
-                    for k in ("logp_sum", "grad_h_norm", "grad_w_norm"))
+            print(
+                f"  {head:9s} head  {name:7s}  extra memory {r['extra_bytes'] / 2**30:6.2f} GiB  "
+                f"time {r['seconds']:7.2f} s"
+            )
+        mem, t = (
+            chunked["extra_bytes"] / naive["extra_bytes"],
+            chunked["seconds"] / naive["seconds"],
+        )
+        agree = all(
+            abs(chunked[k] - naive[k]) <= 1e-4 * max(1.0, abs(naive[k]))
+            for k in ("logp_sum", "grad_h_norm", "grad_w_norm")
+        )
         ok &= agree and mem <= TARGETS[trainable] and t <= TIME_TARGET
-        print(f"{head} head: extra memory chunked/naive = {mem:.1%} (target <= {TARGETS[trainable]:.0%}), "
-              f"time chunked/naive = {t:.2f}x (target <= {TIME_TARGET}x), outputs and grads agree: {agree}")
+        print(
+            f"{head} head: extra memory chunked/naive = {mem:.1%} (target <= {TARGETS[trainable]:.0%}), "
+            f"time chunked/naive = {t:.2f}x (target <= {TIME_TARGET}x), outputs and grads agree: {agree}"
+        )
     print("all targets met" if ok else "TARGET MISSED")
 
 

@@ -53,8 +53,8 @@ def train_step(model, opt, batch):
     old_logp = torch.zeros(len(comps), T)  # (S, T)
     for s, c in enumerate(comps):
         n, m = len(c.prompt_ids), len(c.completion_ids)
-        ids[s, :n + m] = torch.tensor(c.prompt_ids + c.completion_ids)
-        mask[s, n:n + m], old_logp[s, n:n + m] = c.mask, c.logp
+        ids[s, : n + m] = torch.tensor(c.prompt_ids + c.completion_ids)
+        mask[s, n : n + m], old_logp[s, n : n + m] = c.mask, c.logp
     hidden = model.model(input_ids=ids).last_hidden_state  # (S, T, H)
     logp = loss.completion_logprobs(hidden, model.lm_head.weight, ids, mask)  # (S, T)
     adv = loss.group_advantages(rewards, group_ids)  # (S,)
@@ -68,14 +68,24 @@ def train_step(model, opt, batch):
 
 def run(mode_k, sampler, loop, model_dir, prompts, args):
     """(seconds per timed step, trainer wait seconds per timed step, trainer compute seconds per step)."""
-    asyncio.run_coroutine_threadsafe(sampler.update_weights(model_dir), loop).result()  # same start weights
+    asyncio.run_coroutine_threadsafe(
+        sampler.update_weights(model_dir), loop
+    ).result()  # same start weights
     torch.manual_seed(0)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pool = filters.PromptPool(len(prompts), policy="uniform", seed=0)
     waits, computes = [], []
-    with pipeline.Pipeline(sampler, prompts, pool, loop=loop, group_size=args.group, prompts_per_batch=args.batch,
-                           max_lag=mode_k, reward_fn=parity_reward) as pipe:
+    with pipeline.Pipeline(
+        sampler,
+        prompts,
+        pool,
+        loop=loop,
+        group_size=args.group,
+        prompts_per_batch=args.batch,
+        max_lag=mode_k,
+        reward_fn=parity_reward,
+    ) as pipe:
         for v in range(args.warmup + args.steps):
             if v == args.warmup:
                 t0 = time.perf_counter()
@@ -97,14 +107,32 @@ def main(args, work):
     transformers.utils.logging.disable_progress_bar()  # one save per step
     tok = tiny.build_tokenizer()
     chats = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(64)]
-    prompts = [Prompt(i, tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                                    add_special_tokens=False)) for i, c in enumerate(chats)]
-    model_dir = tiny.random_model(os.path.join(work, "start"), hidden_size=args.hidden, num_layers=args.layers)
+    prompts = [
+        Prompt(
+            i,
+            tok.encode(
+                tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            ),
+        )
+        for i, c in enumerate(chats)
+    ]
+    model_dir = tiny.random_model(
+        os.path.join(work, "start"), hidden_size=args.hidden, num_layers=args.layers
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    make = generate.Sampler.create(model_dir, dtype="float32", max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=256,
-                                   think_budget=(args.think // 2, args.think), answer_budget=args.answer, seed=0)
+    make = generate.Sampler.create(
+        model_dir,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_gib=0.5,
+        max_num_seqs=256,
+        think_budget=(args.think // 2, args.think),
+        answer_budget=args.answer,
+        seed=0,
+    )
     sampler = asyncio.run_coroutine_threadsafe(make, loop).result()
     results = {0: [], 8: []}
     try:
@@ -112,8 +140,11 @@ def main(args, work):
             for k in (0, 8):
                 results[k].append(run(k, sampler, loop, model_dir, prompts, args))
                 step, wait, compute = results[k][-1]
-                print(f"rep {rep} k={k}: {1 / step:.3f} steps/s, trainer wait {wait / step:.0%}, "
-                      f"train step {compute:.2f} s", flush=True)
+                print(
+                    f"rep {rep} k={k}: {1 / step:.3f} steps/s, trainer wait {wait / step:.0%}, "
+                    f"train step {compute:.2f} s",
+                    flush=True,
+                )
     finally:
         sampler.shutdown()
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result()
@@ -121,22 +152,34 @@ def main(args, work):
         thread.join(10)
     med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in results.items()}
     (s0, w0, c0), (s8, w8, c8) = med[0], med[8]
-    print(f"\nP={args.batch} prompts x G={args.group}, thinking budget [{args.think // 2}, {args.think}] + answer "
-          f"{args.answer}, tiny Qwen3 (hidden {args.hidden}, {args.layers} layers), trainer on "
-          f"{args.trainer_threads} torch thread(s); medians over {args.reps} reps of {args.steps} steps")
-    print(f"  phases alone: generate one batch {w0:.2f} s (the sync trainer's wait), trainer step + save "
-          f"{c0:.2f} s")
+    print(
+        f"\nP={args.batch} prompts x G={args.group}, thinking budget [{args.think // 2}, {args.think}] + answer "
+        f"{args.answer}, tiny Qwen3 (hidden {args.hidden}, {args.layers} layers), trainer on "
+        f"{args.trainer_threads} torch thread(s); medians over {args.reps} reps of {args.steps} steps"
+    )
+    print(
+        f"  phases alone: generate one batch {w0:.2f} s (the sync trainer's wait), trainer step + save "
+        f"{c0:.2f} s"
+    )
     print(f"  synchronous (k=0): {1 / s0:.3f} steps/s, trainer wait fraction {w0 / s0:.0%}")
-    print(f"  PipelineRL-8:      {1 / s8:.3f} steps/s, trainer wait fraction {w8 / s8:.0%}, step {c8:.2f} s")
-    print(f"  ratio PipelineRL-8 / sync: {s0 / s8:.2f}  (target >= 1.2); overlapped, the trainer step takes "
-          f"{c8 / c0:.1f}x its time alone (the two share the cores)")
+    print(
+        f"  PipelineRL-8:      {1 / s8:.3f} steps/s, trainer wait fraction {w8 / s8:.0%}, step {c8:.2f} s"
+    )
+    print(
+        f"  ratio PipelineRL-8 / sync: {s0 / s8:.2f}  (target >= 1.2); overlapped, the trainer step takes "
+        f"{c8 / c0:.1f}x its time alone (the two share the cores)"
+    )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=8, help="P prompts per batch")
     parser.add_argument("--group", type=int, default=8, help="G completions per prompt")
-    parser.add_argument("--think", type=int, default=128, help="thinking budget high end (low end: half)")
+    parser.add_argument(
+        "--think", type=int, default=128, help="thinking budget high end (low end: half)"
+    )
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

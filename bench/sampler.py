@@ -59,16 +59,23 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
     from vllm import SamplingParams, TokensPrompt
 
     async def interrupted():
-        groups = await asyncio.gather(*[sampler.generate(p, n=G, think_budget=think_budget,
-                                                         answer_budget=answer_budget) for p in prompts])
+        groups = await asyncio.gather(
+            *[
+                sampler.generate(p, n=G, think_budget=think_budget, answer_budget=answer_budget)
+                for p in prompts
+            ]
+        )
         return [c for g in groups for c in g]
 
     async def plain(lengths):
         async def one(prompt, n):
             params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-            async for out in sampler.engine.generate(TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex):  # noqa: B007
+            async for out in sampler.engine.generate(  # noqa: B007
+                TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex
+            ):
                 pass
             return len(out.outputs[0].token_ids)
+
         return await asyncio.gather(*[one(p, n) for p, n in lengths])
 
     await interrupted()  # warm-up
@@ -77,7 +84,9 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
         t = time.perf_counter()
         completions = await interrupted()
         dt = time.perf_counter() - t
-        assert all(c.interrupted and c.truncated for c in completions), "the budget must bind for every rollout"
+        assert all(c.interrupted and c.truncated for c in completions), (
+            "the budget must bind for every rollout"
+        )
         total = sum(len(c.completion_ids) for c in completions)
         rates["interrupted"].append(total / dt)
         rates["interrupted (sampled only)"].append(sum(int(c.mask.sum()) for c in completions) / dt)
@@ -91,7 +100,11 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
 
 
 def dir_bytes(path):
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return sum(
+        os.path.getsize(os.path.join(path, f))
+        for f in os.listdir(path)
+        if f.endswith(".safetensors")
+    )
 
 
 async def update_latency(sampler, model_dir, reps):
@@ -115,44 +128,82 @@ async def update_latency(sampler, model_dir, reps):
 
 async def main(args, work):
     tok = tiny.build_tokenizer()
-    chats = [[{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(args.prompts)]
-    prompts = [tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False) for chat in chats]
-    path = letters_model(os.path.join(work, "letters"), hidden_size=args.hidden, num_layers=args.layers,
-                         max_len=2048)
-    sampler = await generate.Sampler.create(path, dtype="float32", max_model_len=2048, kv_cache_gib=1.0,
-                                            max_num_seqs=args.prompts * args.group, seed=0)
+    chats = [
+        [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}]
+        for i in range(args.prompts)
+    ]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for chat in chats
+    ]
+    path = letters_model(
+        os.path.join(work, "letters"), hidden_size=args.hidden, num_layers=args.layers, max_len=2048
+    )
+    sampler = await generate.Sampler.create(
+        path,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_gib=1.0,
+        max_num_seqs=args.prompts * args.group,
+        seed=0,
+    )
     try:
-        rates, total = await throughput(sampler, prompts, args.group, (args.think_lo, args.think_hi), args.answer,
-                                        args.reps)
-        print(f"throughput: {args.prompts} prompts x {args.group} rollouts, thinking budget [{args.think_lo}, "
-              f"{args.think_hi}], answer {args.answer}, phrase {len(sampler.phrase_ids)} tokens; {total} tokens a run")
+        rates, total = await throughput(
+            sampler, prompts, args.group, (args.think_lo, args.think_hi), args.answer, args.reps
+        )
+        print(
+            f"throughput: {args.prompts} prompts x {args.group} rollouts, thinking budget [{args.think_lo}, "
+            f"{args.think_hi}], answer {args.answer}, phrase {len(sampler.phrase_ids)} tokens; {total} tokens a run"
+        )
         for name, rate in rates.items():
             print(f"  {name:28s} {rate:8.0f} tok/s")
-        print(f"  ratio interrupted / plain     {rates['interrupted'] / rates['plain']:.2f}  (target >= 0.80)")
-        print(f"  ratio, sampled tokens only    {rates['interrupted (sampled only)'] / rates['plain']:.2f}")
+        print(
+            f"  ratio interrupted / plain     {rates['interrupted'] / rates['plain']:.2f}  (target >= 0.80)"
+        )
+        print(
+            f"  ratio, sampled tokens only    {rates['interrupted (sampled only)'] / rates['plain']:.2f}"
+        )
         save, load, size = await update_latency(sampler, path, args.reps + 2)
-        print(f"weight update, tiny model ({size / 1e6:.2f} MB): save {save * 1e3:.0f} ms + update_weights "
-              f"{load * 1e3:.0f} ms")
+        print(
+            f"weight update, tiny model ({size / 1e6:.2f} MB): save {save * 1e3:.0f} ms + update_weights "
+            f"{load * 1e3:.0f} ms"
+        )
     finally:
         sampler.shutdown()
-    big = tiny.random_model(os.path.join(work, "big"), hidden_size=args.big_hidden, num_layers=args.big_layers,
-                            intermediate_size=3 * args.big_hidden, num_heads=args.big_hidden // 64,
-                            num_kv_heads=args.big_hidden // 128, head_dim=64)
-    sampler = await generate.Sampler.create(big, dtype="float32", max_model_len=1024, kv_cache_gib=0.25, seed=0)
+    big = tiny.random_model(
+        os.path.join(work, "big"),
+        hidden_size=args.big_hidden,
+        num_layers=args.big_layers,
+        intermediate_size=3 * args.big_hidden,
+        num_heads=args.big_hidden // 64,
+        num_kv_heads=args.big_hidden // 128,
+        head_dim=64,
+    )
+    sampler = await generate.Sampler.create(
+        big, dtype="float32", max_model_len=1024, kv_cache_gib=0.25, seed=0
+    )
     try:
         await sampler.generate(prompts[0], n=2, think_budget=(8, 8), answer_budget=8)
         save, load, size = await update_latency(sampler, big, args.reps)
     finally:
         sampler.shutdown()
-    print(f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s ({size / save / 1e9:.2f} GB/s), "
-          f"update_weights {load:.2f} s ({size / load / 1e9:.2f} GB/s)")
-    print(f"estimate for an 8B model via disk (16.4 GB bf16): save {BYTES_8B / (size / save):.0f} s + "
-          f"update_weights {BYTES_8B / (size / load):.0f} s at these rates (CPU, fp32 files)")
+    print(
+        f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s ({size / save / 1e9:.2f} GB/s), "
+        f"update_weights {load:.2f} s ({size / load / 1e9:.2f} GB/s)"
+    )
+    print(
+        f"estimate for an 8B model via disk (16.4 GB bf16): save {BYTES_8B / (size / save):.0f} s + "
+        f"update_weights {BYTES_8B / (size / load):.0f} s at these rates (CPU, fp32 files)"
+    )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--think-lo", type=int, default=200)

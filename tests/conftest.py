@@ -14,14 +14,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # flat repo: tests import loss, filters, ... from the root
-os.environ.setdefault("SCALERL_CACHE", os.path.join(ROOT, ".cache"))  # one tiny build per checkout, for every test
+os.environ.setdefault(
+    "SCALERL_CACHE", os.path.join(ROOT, ".cache")
+)  # one tiny build per checkout, for every test
 
 
 def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
     if skipped and exitstatus == 0:
-        reporter.write_line(f"FAILED: {skipped} test(s) skipped; every test must run (see README)", red=True)
+        reporter.write_line(
+            f"FAILED: {skipped} test(s) skipped; every test must run (see README)", red=True
+        )
         session.exitstatus = 1
 
 
@@ -53,18 +57,30 @@ def vllm_engine(tmp_path_factory):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="vllm-loop", daemon=True)
     thread.start()
-    make = generate.Sampler.create(model_dir, dtype="float32", max_model_len=1024, kv_cache_gib=0.25, max_num_seqs=64,
-                                   think_budget=(16, 32), answer_budget=16, seed=0)
+    make = generate.Sampler.create(
+        model_dir,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_gib=0.25,
+        max_num_seqs=64,
+        think_budget=(16, 32),
+        answer_budget=16,
+        seed=0,
+    )
     sampler = asyncio.run_coroutine_threadsafe(make, loop).result(600)
     yield EngineHandle(sampler, loop, model_dir)
     sampler.shutdown()
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(30)  # let vLLM's cancelled tasks finish
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(
+        30
+    )  # let vLLM's cancelled tasks finish
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)
     deadline = time.time() + 30
     while multiprocessing.active_children() and time.time() < deadline:
         time.sleep(0.2)
-    assert not multiprocessing.active_children(), f"engine processes left: {multiprocessing.active_children()}"
+    assert not multiprocessing.active_children(), (
+        f"engine processes left: {multiprocessing.active_children()}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,16 @@ import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shared/ sits beside the clone (CI) or beside the worktrees' folder (a session's git worktree)
-GSM8K_100 = next((p for p in (os.path.join(ROOT, up, "shared", "data", "gsm8k_100.jsonl") for up in ("..", "../.."))
-                  if os.path.exists(p)), os.path.join(ROOT, "..", "shared", "data", "gsm8k_100.jsonl"))
+GSM8K_100 = next(
+    (
+        p
+        for p in (
+            os.path.join(ROOT, up, "shared", "data", "gsm8k_100.jsonl") for up in ("..", "../..")
+        )
+        if os.path.exists(p)
+    ),
+    os.path.join(ROOT, "..", "shared", "data", "gsm8k_100.jsonl"),
+)
 ROWS = [  # (row, expected gold), written out by hand
     ({"question": "Q1", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72"}, "72"),
     ({"question": "Q2", "answer": "so\n#### 1,234"}, "1234"),
@@ -55,43 +63,73 @@ def test_column_mapping_and_golds_in_each_format(tmp_path, tok, fmt):
         prompts = data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
         assert [p.gold for p in prompts] == [g for _, g in group]
         q = next(v for k, v in group[0][0].items() if k in ("question", "problem"))
-        assert tok.decode(prompts[0].prompt_ids) == (f"<|im_start|>user\n{q}\n{data.INSTRUCTION}<|im_end|>\n"
-                                                     "<|im_start|>assistant\n")
+        assert tok.decode(prompts[0].prompt_ids) == (
+            f"<|im_start|>user\n{q}\n{data.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert [p.index for p in prompts] == list(range(len(group)))
 
 
 def test_key_override_and_thinking_off(tmp_path, tok):
     path = write(tmp_path / "d.jsonl", [{"q": "What?", "a": "5", "answer": "6"}], "jsonl")
-    (p,) = data.load_prompts(path, tok, thinking=False, max_prompt_len=512, question_key="q", answer_key="a")
+    (p,) = data.load_prompts(
+        path, tok, thinking=False, max_prompt_len=512, question_key="q", answer_key="a"
+    )
     assert (p.question, p.gold, p.thinking) == ("What?", "5", False)
-    assert tok.decode(p.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # template's no-think
+    assert tok.decode(p.prompt_ids).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )  # template's no-think
 
 
 def test_bad_rows_skipped_and_counted(tmp_path, tok, capsys):
-    rows = [{"question": "ok", "answer": "1"}, "{not json", [1, 2], {"answer": "2"}, {"question": "q", "answer": None},
-            {"question": ["q"], "answer": "3"}, {"question": "q2", "answer": {"v": 1}},
-            {"question": "  ", "answer": "4"},
-            {"question": "q3", "answer": "#### "}, {"question": "q4", "answer": "\\boxed{5"},
-            {"question": "ok", "answer": "9"}, {"question": "x" * 600, "answer": "6"}]
+    rows = [
+        {"question": "ok", "answer": "1"},
+        "{not json",
+        [1, 2],
+        {"answer": "2"},
+        {"question": "q", "answer": None},
+        {"question": ["q"], "answer": "3"},
+        {"question": "q2", "answer": {"v": 1}},
+        {"question": "  ", "answer": "4"},
+        {"question": "q3", "answer": "#### "},
+        {"question": "q4", "answer": "\\boxed{5"},
+        {"question": "ok", "answer": "9"},
+        {"question": "x" * 600, "answer": "6"},
+    ]
     path = write(tmp_path / "bad.jsonl", rows, "jsonl")
     prompts = data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
     assert [(p.question, p.gold) for p in prompts] == [("ok", "1")]
     _, skipped = data.build_prompts(data.read_rows(path), tok, thinking=True, max_prompt_len=512)
-    assert skipped == {"not a JSON object": 2, "missing question": 1, "missing answer": 1, "question not a string": 1,
-                       "answer not a string": 1, "empty question": 1, "empty answer": 2, "duplicate question": 1,
-                       "prompt too long": 1}
+    assert skipped == {
+        "not a JSON object": 2,
+        "missing question": 1,
+        "missing answer": 1,
+        "question not a string": 1,
+        "answer not a string": 1,
+        "empty question": 1,
+        "empty answer": 2,
+        "duplicate question": 1,
+        "prompt too long": 1,
+    }
     out = capsys.readouterr().out
-    assert out.count("data: 1 prompts") == 1 and "2 empty answer" in out and "1 prompt too long" in out
+    assert (
+        out.count("data: 1 prompts") == 1 and "2 empty answer" in out and "1 prompt too long" in out
+    )
 
 
 def test_all_bad_file_fails_with_clear_error(tmp_path, tok):
-    path = write(tmp_path / "allbad.jsonl", [{"text": "a"}, {"question": "", "answer": "1"}], "jsonl")
-    with pytest.raises(ValueError, match=r"allbad\.jsonl: no valid rows out of 2 .*1 missing question.*1 empty"):
+    path = write(
+        tmp_path / "allbad.jsonl", [{"text": "a"}, {"question": "", "answer": "1"}], "jsonl"
+    )
+    with pytest.raises(
+        ValueError, match=r"allbad\.jsonl: no valid rows out of 2 .*1 missing question.*1 empty"
+    ):
         data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         data.load_prompts(str(tmp_path / "nope.jsonl"), tok, thinking=True, max_prompt_len=512)
     with pytest.raises(ValueError, match="unknown data format '.csv'"):
-        data.load_prompts(write(tmp_path / "d.csv", [], "json"), tok, thinking=True, max_prompt_len=512)
+        data.load_prompts(
+            write(tmp_path / "d.csv", [], "json"), tok, thinking=True, max_prompt_len=512
+        )
 
 
 def test_heldout_split_deterministic_disjoint_and_restored(tmp_path, tok):
@@ -106,8 +144,9 @@ def test_heldout_split_deterministic_disjoint_and_restored(tmp_path, tok):
     # resume: the saved split wins even if the seed (or eval size) passed now differs
     train2, held2 = data.split_heldout(prompts, 5, seed=99, run_dir=str(tmp_path))
     assert held2 == held and train2 == train
-    other, _ = data.build_prompts(rows[:49] + [{"question": "new", "answer": "1"}], tok, thinking=True,
-                                  max_prompt_len=512)
+    other, _ = data.build_prompts(
+        rows[:49] + [{"question": "new", "answer": "1"}], tok, thinking=True, max_prompt_len=512
+    )
     with pytest.raises(ValueError, match="different dataset"):
         data.split_heldout(other, 10, seed=3, run_dir=str(tmp_path))
     with pytest.raises(ValueError, match="eval_size=50"):
@@ -122,14 +161,22 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
             x += item.add
         assert item.gold == str(x) and 1 <= item.times <= data.ARITH_MAX_ADDS and x <= 99
     sols = [data.arith_solution(item) for item in items]
-    assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(items)
-    wrong = [s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
-             for s, i in zip(sols, items, strict=True)]
-    assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(items)
+    assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(
+        items
+    )
+    wrong = [
+        s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
+        for s, i in zip(sols, items, strict=True)
+    ]
+    assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(
+        items
+    )
     item = data.ArithItem(start=18, add=7, times=2)
     assert item.question == "Add 7 to 18, 2 times." and item.gold == "32"
     assert data.arith_solution(item) == "<think>\n2:18+7=25\n1:25+7=32\n</think>\n\n\\boxed{32}"
-    sloppy = data.arith_solution(item, slip=1.0, rng=random.Random(0))  # every carry forgotten: 15, then 12
+    sloppy = data.arith_solution(
+        item, slip=1.0, rng=random.Random(0)
+    )  # every carry forgotten: 15, then 12
     assert sloppy == "<think>\n2:18+7=15\n1:15+7=12\n</think>\n\n\\boxed{12}"
     assert reward.math_reward(sloppy, item.gold, timeout=30.0) == 0.0
 
@@ -140,9 +187,13 @@ def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
     think = {}  # additions -> thinking tokens up to and including </think>
     for item in items:
         ids = tok(data.arith_solution(item), add_special_tokens=False)["input_ids"]
-        think.setdefault(item.times, []).append(ids.index(tok.convert_tokens_to_ids("</think>")) + 1)
+        think.setdefault(item.times, []).append(
+            ids.index(tok.convert_tokens_to_ids("</think>")) + 1
+        )
     assert sorted(think) == list(range(1, data.ARITH_MAX_ADDS + 1))
-    assert max(think[data.ARITH_MAX_ADDS - 2]) < lo < max(think[data.ARITH_MAX_ADDS - 1]) < hi  # binds on the 2 hardest
+    assert (
+        max(think[data.ARITH_MAX_ADDS - 2]) < lo < max(think[data.ARITH_MAX_ADDS - 1]) < hi
+    )  # binds on the 2 hardest
     assert lo < max(think[data.ARITH_MAX_ADDS]) <= hi
     assert max(think[1]) < min(think[data.ARITH_MAX_ADDS])  # longer with difficulty
     sft = {i.question for i, _ in zip(data.arith_items(1, "sft"), range(5000), strict=False)}
@@ -154,10 +205,18 @@ def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
 def test_arith_preset_unique_and_seeded(tok):
     a = data.load_prompts("arith", tok, thinking=True, max_prompt_len=128, size=300, seed=5)
     assert len(a) == 300 == len({p.question for p in a})
-    assert [p.question for p in a] == [p.question for p in data.load_prompts("arith", tok, thinking=True,
-                                                                             max_prompt_len=128, size=300, seed=5)]
-    assert tok.decode(a[0].prompt_ids).endswith(f"\n{data.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
-    with pytest.raises(ValueError, match="distinct items"):  # the space is finite: a clear error, not a hang
+    assert [p.question for p in a] == [
+        p.question
+        for p in data.load_prompts(
+            "arith", tok, thinking=True, max_prompt_len=128, size=300, seed=5
+        )
+    ]
+    assert tok.decode(a[0].prompt_ids).endswith(
+        f"\n{data.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(
+        ValueError, match="distinct items"
+    ):  # the space is finite: a clear error, not a hang
         data.read_rows("arith", size=10_000)
 
 
@@ -167,5 +226,7 @@ def test_real_gsm8k_100(tok):
         rows = [json.loads(line) for line in f]
     assert len(prompts) == 100
     # golds, worked out independently: the text after "####" in each GSM8K solution, commas dropped
-    assert [p.gold for p in prompts] == [r["solution"].split("####")[-1].strip().replace(",", "") for r in rows]
+    assert [p.gold for p in prompts] == [
+        r["solution"].split("####")[-1].strip().replace(",", "") for r in rows
+    ]
     assert [p.question for p in prompts] == [r["question"] for r in rows]

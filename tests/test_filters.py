@@ -27,13 +27,18 @@ def test_zero_variance_mask_by_hand():
 
 def test_zero_variance_mask_float_residue_and_threshold():
     # eight rewards of 0.35 in float32: the group is constant, whatever residue a float32 mean would leave
-    assert not zero_variance_mask(torch.full((8,), 0.35, dtype=torch.float32), torch.zeros(8, dtype=torch.long)).any()
+    assert not zero_variance_mask(
+        torch.full((8,), 0.35, dtype=torch.float32), torch.zeros(8, dtype=torch.long)
+    ).any()
     # rewards {0, d}: population std = d / 2, so d = 1e-6 -> 5e-7 (zero), d = 3e-6 -> 1.5e-6 (non-zero)
     ids = torch.tensor([0, 0, 1, 1])
-    assert zero_variance_mask(torch.tensor([0.0, 1e-6, 0.0, 3e-6], dtype=torch.float64), ids).tolist() == [
-        False, False, True, True]
+    assert zero_variance_mask(
+        torch.tensor([0.0, 1e-6, 0.0, 3e-6], dtype=torch.float64), ids
+    ).tolist() == [False, False, True, True]
     # length-penalised correct answers differ by at least 1/L_cache: a real difference
-    assert zero_variance_mask(torch.tensor([1.0, 1.0 - 1 / 2048]), torch.tensor([5, 5])).tolist() == [True, True]
+    assert zero_variance_mask(
+        torch.tensor([1.0, 1.0 - 1 / 2048]), torch.tensor([5, 5])
+    ).tolist() == [True, True]
 
 
 def test_zero_variance_mask_shapes():
@@ -48,7 +53,15 @@ def test_zero_variance_mask_shapes():
 def test_length_penalty_paper_values():
     # A.10: L_max 14k, L_cache 2k -> 0 up to 12k, linear to -1 at 14k, -1 beyond
     lengths = torch.tensor([0, 12000, 12001, 13000, 13500, 14000, 20000])
-    expected = [0.0, 0.0, -1 / 2000, -0.5, -0.75, -1.0, -1.0]  # (14000 - L) / 2000 - 1, clipped to [-1, 0]
+    expected = [
+        0.0,
+        0.0,
+        -1 / 2000,
+        -0.5,
+        -0.75,
+        -1.0,
+        -1.0,
+    ]  # (14000 - L) / 2000 - 1, clipped to [-1, 0]
     out = length_penalty(lengths, max_len=14000, cache_len=2000)
     assert out.dtype == torch.float32 and out.shape == (7,)
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-7)
@@ -77,18 +90,26 @@ def test_epochs_are_permutations_seeded_by_seed_and_epoch():
     assert draw(PromptPool(50, seed=0), 50) != draw(PromptPool(50, seed=1), 50)
 
 
-@pytest.mark.parametrize("threshold,n_correct,n_total,retired", [
-    (0.9, 9, 10, True),    # exactly the threshold; Fraction(0.9) = 0.90000000000000002 would wrongly keep it
-    (0.9, 15, 16, True),   # 0.9375
-    (0.9, 14, 16, False),  # 0.875
-    (0.9, 0, 16, False),
-    (0.9, 16, 16, True),
-    (0.1, 1, 10, True),    # Fraction(0.1) = 0.10000000000000000555 would keep it too
-    (0.7, 7, 10, True),
-    (1.0, 15, 16, False),
-    (1.0, 16, 16, True),
-    ("9/10", 9, 10, True),
-])
+@pytest.mark.parametrize(
+    "threshold,n_correct,n_total,retired",
+    [
+        (
+            0.9,
+            9,
+            10,
+            True,
+        ),  # exactly the threshold; Fraction(0.9) = 0.90000000000000002 would wrongly keep it
+        (0.9, 15, 16, True),  # 0.9375
+        (0.9, 14, 16, False),  # 0.875
+        (0.9, 0, 16, False),
+        (0.9, 16, 16, True),
+        (0.1, 1, 10, True),  # Fraction(0.1) = 0.10000000000000000555 would keep it too
+        (0.7, 7, 10, True),
+        (1.0, 15, 16, False),
+        (1.0, 16, 16, True),
+        ("9/10", 9, 10, True),
+    ],
+)
 def test_retirement_is_exact(threshold, n_correct, n_total, retired):
     pool = PromptPool(4, threshold=threshold)
     pool.record(2, n_correct, n_total)
@@ -133,8 +154,13 @@ def test_stats_counts():
     pool.record(2, 3, 10)
     pool.record(2, 9, 10)  # the latest group decides: retired
     pool.record(5, 0, 10)
-    assert pool.stats() == {"filter/active": 8, "filter/retired": 2, "filter/epoch": 0, "filter/seen": 3,
-                            "filter/pass_rate": 22 / 40}
+    assert pool.stats() == {
+        "filter/active": 8,
+        "filter/retired": 2,
+        "filter/epoch": 0,
+        "filter/seen": 3,
+        "filter/pass_rate": 22 / 40,
+    }
 
 
 def test_state_round_trip_continues_the_same_sequence():

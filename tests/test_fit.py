@@ -25,10 +25,16 @@ pytestmark = pytest.mark.filterwarnings("error")
 
 R0 = 0.35
 TABLE_1 = [  # PAPER.md 10.1: (experiment, C_mid GPU-h, B, A)
-    ("ScaleRL", 2542, 1.92, 0.610), ("ScaleRL-32k", 11272, 1.89, 0.645), ("ScaleRL-8gen", 2542, 2.44, 0.585),
-    ("ScaleRL-24gen", 3054, 2.22, 0.590), ("ScaleRL-32gen", 2936, 2.07, 0.595), ("ScaleRL-Scout", 4242, 1.65, 0.710),
-    ("ScaleRL-bs512", 2818, 1.77, 0.605), ("ScaleRL-bs2048", 10909, 1.70, 0.645),
-    ("math+code, math", 2896, 2.05, 0.595), ("math+code, code", 1675, 1.09, 0.615),
+    ("ScaleRL", 2542, 1.92, 0.610),
+    ("ScaleRL-32k", 11272, 1.89, 0.645),
+    ("ScaleRL-8gen", 2542, 2.44, 0.585),
+    ("ScaleRL-24gen", 3054, 2.22, 0.590),
+    ("ScaleRL-32gen", 2936, 2.07, 0.595),
+    ("ScaleRL-Scout", 4242, 1.65, 0.710),
+    ("ScaleRL-bs512", 2818, 1.77, 0.605),
+    ("ScaleRL-bs2048", 10909, 1.70, 0.645),
+    ("math+code, math", 2896, 2.05, 0.595),
+    ("math+code, code", 1675, 1.09, 0.615),
 ]
 ROWS = pytest.mark.parametrize("name,C_mid,B,A", TABLE_1, ids=[r[0] for r in TABLE_1])
 
@@ -47,7 +53,13 @@ def evals(C_mid, B, A, noise=0.005, seed=0):
 
 def test_sigmoid_is_eq1():
     C = np.array([0.0, 1.0, 100.0, 2542.0, 1e5])
-    want = [R0, eq1(1.0, 0.61, 1.92, 2542), eq1(100.0, 0.61, 1.92, 2542), (0.61 + R0) / 2, eq1(1e5, 0.61, 1.92, 2542)]
+    want = [
+        R0,
+        eq1(1.0, 0.61, 1.92, 2542),
+        eq1(100.0, 0.61, 1.92, 2542),
+        (0.61 + R0) / 2,
+        eq1(1e5, 0.61, 1.92, 2542),
+    ]
     np.testing.assert_allclose(fit.sigmoid(C, 0.61, 1.92, 2542, R0), want, rtol=1e-14)
     assert fit.sigmoid(1e300, 0.61, 1.92, 1e-300, R0) == 0.61  # no overflow far past C_mid
     with pytest.raises(ValueError, match="negative"):
@@ -60,7 +72,9 @@ def test_table1_fast_recovers_A(name, C_mid, B, A):
     f = fit.fit_sigmoid(C, R, R0)
     assert f.converged, f.message
     assert abs(f.A - A) < 0.01
-    assert f.n == 40 and f.sse == pytest.approx(((eq1(C, f.A, f.B, f.C_mid) - R) ** 2).sum(), rel=1e-9)
+    assert f.n == 40 and f.sse == pytest.approx(
+        ((eq1(C, f.A, f.B, f.C_mid) - R) ** 2).sum(), rel=1e-9
+    )
 
 
 @ROWS
@@ -71,7 +85,9 @@ def test_table1_half_budget_extrapolates(name, C_mid, B, A):
     tail = C > 4 * C_mid
     assert f.converged and f.n == (~tail).sum() == 20 and n_tail == tail.sum() == 20
     assert abs(f.A - A) < 0.03
-    assert np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - clean[tail]).mean() < 0.01  # against the noise-free curve
+    assert (
+        np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - clean[tail]).mean() < 0.01
+    )  # against the noise-free curve
     assert mae == pytest.approx(np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - R[tail]).mean(), rel=1e-9)
 
 
@@ -81,7 +97,9 @@ def test_table1_grid_agrees_with_fast(name, C_mid, B, A):
     and fast's SSE is never worse (it searches a superset: C_mid continuous)."""
     C, R, _ = evals(C_mid, B, A)
     gA = fit.PAPER_GRID_A[np.abs(fit.PAPER_GRID_A - A) < 0.03 + 1e-9]
-    gC = fit.PAPER_GRID_C_MID[(fit.PAPER_GRID_C_MID >= C_mid / 2) & (fit.PAPER_GRID_C_MID <= 2 * C_mid)]
+    gC = fit.PAPER_GRID_C_MID[
+        (fit.PAPER_GRID_C_MID >= C_mid / 2) & (fit.PAPER_GRID_C_MID <= 2 * C_mid)
+    ]
     g = fit.fit_sigmoid(C, R, R0, method="grid", grid_A=gA, grid_C_mid=gC)
     f = fit.fit_sigmoid(C, R, R0)
     assert g.converged and g.A in gA and g.C_mid in gC and g.method == "grid"
@@ -98,7 +116,9 @@ def test_paper_grid_in_full():
     g = fit.fit_sigmoid(C, R, R0, method="grid")
     f = fit.fit_sigmoid(C, R, R0)
     assert g.converged and g.A in fit.PAPER_GRID_A and g.C_mid in fit.PAPER_GRID_C_MID
-    assert len(fit.PAPER_GRID_A) == 71 and fit.PAPER_GRID_A[0] == 0.45 and fit.PAPER_GRID_A[-1] == 0.8
+    assert (
+        len(fit.PAPER_GRID_A) == 71 and fit.PAPER_GRID_A[0] == 0.45 and fit.PAPER_GRID_A[-1] == 0.8
+    )
     assert abs(g.A - 0.610) < 0.01 and f.sse <= g.sse * (1 + 1e-9)
 
 
@@ -110,15 +130,21 @@ def test_noise_free_exact(name, C_mid, B, A):
     np.testing.assert_allclose([f.A, f.B, f.C_mid], [A, B, C_mid], rtol=1e-6)
 
 
-@pytest.mark.parametrize("scale", [4e-6, 1.0, 1e17])  # CPU-hours (C in 1e-3..1e-1), GPU-hours, FLOPs
+@pytest.mark.parametrize(
+    "scale", [4e-6, 1.0, 1e17]
+)  # CPU-hours (C in 1e-3..1e-1), GPU-hours, FLOPs
 def test_scale_free(scale):
     C, R, clean = evals(2542, 1.92, 0.610)
     assert scale != 4e-6 or (1e-3 <= C.min() * scale and C.max() * scale <= 1e-1)
     exact = fit.fit_sigmoid(C * scale, clean, R0)
-    np.testing.assert_allclose([exact.A, exact.B, exact.C_mid], [0.610, 1.92, 2542 * scale], rtol=1e-6)
+    np.testing.assert_allclose(
+        [exact.A, exact.B, exact.C_mid], [0.610, 1.92, 2542 * scale], rtol=1e-6
+    )
     noisy, ref = fit.fit_sigmoid(C * scale, R, R0), fit.fit_sigmoid(C, R, R0)
     assert noisy.converged and abs(noisy.A - 0.610) < 0.01
-    np.testing.assert_allclose([noisy.A, noisy.B, noisy.C_mid / scale], [ref.A, ref.B, ref.C_mid], rtol=1e-5)
+    np.testing.assert_allclose(
+        [noisy.A, noisy.B, noisy.C_mid / scale], [ref.A, ref.B, ref.C_mid], rtol=1e-5
+    )
 
 
 def test_paper_grid_at_the_wrong_scale_raises():
@@ -136,25 +162,42 @@ def test_paper_grid_at_the_wrong_scale_raises():
 
 def test_grid_edge_is_flagged():
     C, R, _ = evals(2542, 1.92, 0.610)
-    g = fit.fit_sigmoid(C, R, R0, method="grid", grid_A=[0.50, 0.52, 0.54], grid_C_mid=[2000.0, 2500.0, 3000.0])
+    g = fit.fit_sigmoid(
+        C, R, R0, method="grid", grid_A=[0.50, 0.52, 0.54], grid_C_mid=[2000.0, 2500.0, 3000.0]
+    )
     assert not g.converged and "edge" in g.message and g.A == 0.54
 
 
 C40 = np.linspace(500.0, 20000.0, 40)
 
 
-@pytest.mark.parametrize("C,R,kw,match", [
-    (C40[:10], eq1(C40[:10], 0.6, 2, 3000), {"c_min": C40[7]}, "need at least 4"),
-    (C40, np.full(40, 0.5), {}, "flat"),
-    (C40, eq1(C40, 0.6, 2, 3000)[::-1], {}, "does not increase"),
-    (C40, np.where(C40 > 9000, np.nan, eq1(C40, 0.6, 2, 3000)), {}, "NaN or inf"),
-    (np.where(C40 > 9000, np.inf, C40), eq1(C40, 0.6, 2, 3000), {}, "NaN or inf"),
-    (C40 - 1000, eq1(C40, 0.6, 2, 3000), {}, "negative compute"),
-    (np.r_[0.0, C40], np.r_[R0, eq1(C40, 0.6, 2, 3000)], {}, "compute 0"),
-    (C40, eq1(C40, 0.6, 2, 3000), {"A": 0.3}, "fixed A"),
-    (C40, eq1(C40, 0.6, 2, 3000), {"method": "newton"}, "method"),
-    (C40, eq1(C40, 0.6, 2, 3000), {"method": "grid", "grid_A": [0.2, 0.6]}, "grid_A"),
-], ids=["too-few", "flat", "decreasing", "nan", "inf", "negative", "zero", "A<=R0", "method", "grid<=R0"])
+@pytest.mark.parametrize(
+    "C,R,kw,match",
+    [
+        (C40[:10], eq1(C40[:10], 0.6, 2, 3000), {"c_min": C40[7]}, "need at least 4"),
+        (C40, np.full(40, 0.5), {}, "flat"),
+        (C40, eq1(C40, 0.6, 2, 3000)[::-1], {}, "does not increase"),
+        (C40, np.where(C40 > 9000, np.nan, eq1(C40, 0.6, 2, 3000)), {}, "NaN or inf"),
+        (np.where(C40 > 9000, np.inf, C40), eq1(C40, 0.6, 2, 3000), {}, "NaN or inf"),
+        (C40 - 1000, eq1(C40, 0.6, 2, 3000), {}, "negative compute"),
+        (np.r_[0.0, C40], np.r_[R0, eq1(C40, 0.6, 2, 3000)], {}, "compute 0"),
+        (C40, eq1(C40, 0.6, 2, 3000), {"A": 0.3}, "fixed A"),
+        (C40, eq1(C40, 0.6, 2, 3000), {"method": "newton"}, "method"),
+        (C40, eq1(C40, 0.6, 2, 3000), {"method": "grid", "grid_A": [0.2, 0.6]}, "grid_A"),
+    ],
+    ids=[
+        "too-few",
+        "flat",
+        "decreasing",
+        "nan",
+        "inf",
+        "negative",
+        "zero",
+        "A<=R0",
+        "method",
+        "grid<=R0",
+    ],
+)
 def test_bad_input_raises(C, R, kw, match):
     with pytest.raises(ValueError, match=match):
         fit.fit_sigmoid(C, R, R0, **kw)
@@ -174,11 +217,18 @@ def test_c_min_drops_points_and_zero_compute():
     assert f.n == 35 and f.converged and f.A == pytest.approx(0.6, rel=1e-6)
 
 
-@pytest.mark.parametrize("R,why", [
-    (np.where(C40 < 5000, R0, 0.6), "singular Jacobian"),  # a step: B runs off to infinity
-    (0.5 + np.random.default_rng(2).normal(0, 0.005, 40), "standard error"),  # noise on a plateau, rising by chance
-    (np.linspace(0.1, 0.3, 40), "singular Jacobian"),  # rising, but below R0: A pinned at R0
-], ids=["step", "noisy-plateau", "below-R0"])
+@pytest.mark.parametrize(
+    "R,why",
+    [
+        (np.where(C40 < 5000, R0, 0.6), "singular Jacobian"),  # a step: B runs off to infinity
+        (
+            0.5 + np.random.default_rng(2).normal(0, 0.005, 40),
+            "standard error",
+        ),  # noise on a plateau, rising by chance
+        (np.linspace(0.1, 0.3, 40), "singular Jacobian"),  # rising, but below R0: A pinned at R0
+    ],
+    ids=["step", "noisy-plateau", "below-R0"],
+)
 def test_degenerate_fit_is_flagged(R, why):
     f = fit.fit_sigmoid(C40, R, R0)
     assert not f.converged and why in f.message
@@ -197,8 +247,12 @@ def test_fixed_A_refit():
     f = fit.fit_sigmoid(C, clean, R0, A=0.610)
     assert f.fixed_A and f.A == 0.610 and f.converged
     np.testing.assert_allclose([f.B, f.C_mid], [1.92, 2542], rtol=1e-6)
-    g = fit.fit_sigmoid(C, clean, R0, A=0.610, method="grid", grid_C_mid=np.linspace(2000, 3000, 11))
-    assert g.fixed_A and g.A == 0.610 and g.C_mid == 2500.0  # nearest grid C_mid to 2542 wins at the true A
+    g = fit.fit_sigmoid(
+        C, clean, R0, A=0.610, method="grid", grid_C_mid=np.linspace(2000, 3000, 11)
+    )
+    assert (
+        g.fixed_A and g.A == 0.610 and g.C_mid == 2500.0
+    )  # nearest grid C_mid to 2542 wins at the true A
 
 
 def test_comparison_rule_within_margin_refits_at_mean_A():
@@ -208,7 +262,9 @@ def test_comparison_rule_within_margin_refits_at_mean_A():
     assert cmp.A_shared == pytest.approx((cmp.fits[0].A + cmp.fits[1].A) / 2, abs=1e-15)
     assert all(f.fixed_A and f.A == cmp.A_shared and f.converged for f in cmp.refits)
     assert cmp.refits[0].B > cmp.refits[1].B and cmp.best == 0
-    for free, fixed in zip(cmp.fits, cmp.refits, strict=True):  # a constrained fit cannot beat the free one
+    for free, fixed in zip(
+        cmp.fits, cmp.refits, strict=True
+    ):  # a constrained fit cannot beat the free one
         assert fixed.sse >= free.sse * (1 - 1e-9)
     assert "refit at mean A" in cmp.rule
 
@@ -229,13 +285,23 @@ def test_bootstrap():
     assert bs.A[0] < 0.610 < bs.A[1] and bs.A[1] - bs.A[0] < 2 * fit.A_MARGIN
     assert bs.B[0] < f.B < bs.B[1] and bs.C_mid[0] < f.C_mid < bs.C_mid[1]
     assert fit.bootstrap(f, C, R, n_boot=60, seed=0) == bs  # seeded
-    exact = fit.bootstrap(fit.fit_sigmoid(C, clean, R0), C, clean, n_boot=10)  # no noise: every refit exact
-    np.testing.assert_allclose([exact.A, exact.B, exact.C_mid], [[0.61] * 2, [1.92] * 2, [2542] * 2], rtol=1e-6)
+    exact = fit.bootstrap(
+        fit.fit_sigmoid(C, clean, R0), C, clean, n_boot=10
+    )  # no noise: every refit exact
+    np.testing.assert_allclose(
+        [exact.A, exact.B, exact.C_mid], [[0.61] * 2, [1.92] * 2, [2542] * 2], rtol=1e-6
+    )
     fixed = fit.bootstrap(fit.fit_sigmoid(C, R, R0, A=0.6), C, R, n_boot=10)
     assert fixed.A == (0.6, 0.6)
-    step = np.where(C40 < 5000, R0, 0.6)  # not converged: no intervals, every resample counted as failed
+    step = np.where(
+        C40 < 5000, R0, 0.6
+    )  # not converged: no intervals, every resample counted as failed
     none = fit.bootstrap(fit.fit_sigmoid(C40, step, R0), C40, step, n_boot=10)
-    assert none.n_ok == 0 and none.n_failed == 10 and all(math.isnan(v) for v in none.A + none.B + none.C_mid)
+    assert (
+        none.n_ok == 0
+        and none.n_failed == 10
+        and all(math.isnan(v) for v in none.A + none.B + none.C_mid)
+    )
 
 
 def test_power_law():
@@ -254,7 +320,9 @@ def test_power_law():
     assert fit.fit_power_law(C, R, c_min=5000).A > 0.645 + 0.05
     C = np.linspace(30000, 60000, 20)
     assert abs(fit.fit_power_law(C, eq1(C, 0.645, 1.70, 10909)).A - 0.645) < 0.01
-    plateau = fit.fit_power_law(C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40))  # rising by chance
+    plateau = fit.fit_power_law(
+        C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40)
+    )  # rising by chance
     assert not plateau.converged and "standard error" in plateau.message
 
 
@@ -270,10 +338,17 @@ def write_run(path, A, B, C_mid, seed, steps=801, hours_per_step=40.0, eval_ever
     path.parent.mkdir(parents=True)
     with open(path, "w") as f:
         for step in range(steps):
-            rec = {"step": step, "gpu_hours": step * hours_per_step, "tokens": step * 1e6, "train/loss": 0.1}
+            rec = {
+                "step": step,
+                "gpu_hours": step * hours_per_step,
+                "tokens": step * 1e6,
+                "train/loss": 0.1,
+            }
             if step % eval_every == 0:
                 g = step * hours_per_step
-                rec["eval/pass_rate"] = R0 if step == 0 else float(eq1(g, A, B, C_mid) + rng.normal(0, 0.005))
+                rec["eval/pass_rate"] = (
+                    R0 if step == 0 else float(eq1(g, A, B, C_mid) + rng.normal(0, 0.005))
+                )
             f.write(json.dumps(rec) + "\n")
 
 
@@ -287,9 +362,25 @@ def test_cli(tmp_path, capsys):
     write_run(tmp_path / "a" / "metrics.jsonl", 0.610, 1.92, 2542, seed=0)
     write_run(tmp_path / "b" / "metrics.jsonl", 0.645, 1.70, 4000, seed=1)
     png = tmp_path / "fit.png"
-    args = tyro.cli(fit.Args, args=[str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b" / "metrics.jsonl"),
-                                    "--x", "gpu_hours", "--y", "eval/pass_rate", "--c-min", "1500",
-                                    "--fit-until", "16000", "--n-boot", "20", "--out", str(png)])
+    args = tyro.cli(
+        fit.Args,
+        args=[
+            str(tmp_path / "a" / "metrics.jsonl"),
+            str(tmp_path / "b" / "metrics.jsonl"),
+            "--x",
+            "gpu_hours",
+            "--y",
+            "eval/pass_rate",
+            "--c-min",
+            "1500",
+            "--fit-until",
+            "16000",
+            "--n-boot",
+            "20",
+            "--out",
+            str(png),
+        ],
+    )
     fit.main(args)
     out = capsys.readouterr().out
     rows = table_rows(out)
@@ -297,26 +388,52 @@ def test_cli(tmp_path, capsys):
     for name, (A, B, C_mid) in {"a": (0.610, 1.92, 2542), "b": (0.645, 1.70, 4000)}.items():
         r = rows[name]
         assert r[1] == "37" and float(r[2]) == R0
-        assert abs(float(r[3]) - A) < 0.01 and abs(float(r[6]) / B - 1) < 0.1 and abs(float(r[8]) / C_mid - 1) < 0.1
+        assert (
+            abs(float(r[3]) - A) < 0.01
+            and abs(float(r[6]) / B - 1) < 0.1
+            and abs(float(r[8]) / C_mid - 1) < 0.1
+        )
         mae, n_tail = r[11].split()
         assert float(mae) < 0.01 and n_tail == "(40)"  # extrapolation error on the held-out tail
-    assert "comparison (§4)" in out and "-> b scales best" in out  # A differ by 0.035: the ceiling decides
+    assert (
+        "comparison (§4)" in out and "-> b scales best" in out
+    )  # A differ by 0.035: the ceiling decides
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_cli_other_x_column_and_r0(tmp_path, capsys):
     write_run(tmp_path / "a" / "metrics.jsonl", 0.610, 1.92, 2542, seed=0)
-    fit.main(tyro.cli(fit.Args, args=[str(tmp_path / "a" / "metrics.jsonl"), "--x", "step", "--r0", "0.35",
-                                      "--n-boot", "0", "--out", str(tmp_path / "s.png")]))
+    fit.main(
+        tyro.cli(
+            fit.Args,
+            args=[
+                str(tmp_path / "a" / "metrics.jsonl"),
+                "--x",
+                "step",
+                "--r0",
+                "0.35",
+                "--n-boot",
+                "0",
+                "--out",
+                str(tmp_path / "s.png"),
+            ],
+        )
+    )
     r = table_rows(capsys.readouterr().out)["a"]
-    assert r[1] == "80" and abs(float(r[3]) - 0.610) < 0.01 and abs(float(r[8]) / (2542 / 40) - 1) < 0.1
+    assert (
+        r[1] == "80"
+        and abs(float(r[3]) - 0.610) < 0.01
+        and abs(float(r[8]) / (2542 / 40) - 1) < 0.1
+    )
     assert (tmp_path / "s.png").exists()
 
 
 def test_load_metrics(tmp_path):
     p = tmp_path / "m.jsonl"
-    p.write_text('{"step": 2, "gpu_hours": 2.0, "eval/pass_rate": 0.5}\n{"step": 1, "gpu_hours": 1.0}\n\n'
-                 '{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.4}\n')
+    p.write_text(
+        '{"step": 2, "gpu_hours": 2.0, "eval/pass_rate": 0.5}\n{"step": 1, "gpu_hours": 1.0}\n\n'
+        '{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.4}\n'
+    )
     C, R = fit.load_metrics(p)
     assert C.tolist() == [0.0, 2.0] and R.tolist() == [0.4, 0.5]
     p.write_text('{"step": 0, "eval/pass_rate": 0.4}\n')

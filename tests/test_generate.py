@@ -32,10 +32,19 @@ from vllm.sampling_params import RequestOutputKind
 import generate
 import tiny
 
-EOS, THINK_END, V, H, EPS, SCALE = 258, 260, 320, 64, 1e-6, 4.0  # tiny tokenizer ids; tiny model_config sizes
+EOS, THINK_END, V, H, EPS, SCALE = (
+    258,
+    260,
+    320,
+    64,
+    1e-6,
+    4.0,
+)  # tiny tokenizer ids; tiny model_config sizes
 LETTERS = list(range(ord("a"), ord("z") + 1))
 PROMPT = list(b"Question: what is 2+2?\n")
-PHRASE_IDS = list(generate.PHRASE.removesuffix("</think>").encode()) + [THINK_END]  # bytes, then one id
+PHRASE_IDS = list(generate.PHRASE.removesuffix("</think>").encode()) + [
+    THINK_END
+]  # bytes, then one id
 
 
 def crafted(start_dir, out_dir, classes, M):
@@ -56,7 +65,9 @@ def crafted(start_dir, out_dir, classes, M):
     norm[: len(M)] = torch.tensor(SCALE * lam, dtype=torch.float32)
     sd["model.embed_tokens.weight"], sd["model.norm.weight"] = embed, norm
     os.makedirs(out_dir, exist_ok=True)
-    safetensors.torch.save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
+    )
     gain = math.sqrt(H) / math.sqrt(1 + H * EPS) * SCALE
 
     def expected_logp(x, v):
@@ -75,11 +86,17 @@ def load(vllm_engine, tmp_path, name, classes, M):
 def hf_logp(model_dir, c, temperature):
     """(T,) float64 log-probs of c.completion_ids from a float32 transformers forward: log_softmax(h @ W.T / T)."""
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (
+        model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    )
     ids = torch.tensor([c.prompt_ids + c.completion_ids])
     with torch.no_grad():
-        h = model.model(input_ids=ids).last_hidden_state[0, len(c.prompt_ids) - 1 : -1]  # (T, H) post final norm
-        logp = torch.log_softmax(h @ model.lm_head.weight.T / temperature, dim=-1)  # (T, V) fp32, loss.py's math
+        h = model.model(input_ids=ids).last_hidden_state[
+            0, len(c.prompt_ids) - 1 : -1
+        ]  # (T, H) post final norm
+        logp = torch.log_softmax(
+            h @ model.lm_head.weight.T / temperature, dim=-1
+        )  # (T, V) fp32, loss.py's math
     return logp.gather(1, torch.tensor(c.completion_ids)[:, None])[:, 0].double()
 
 
@@ -124,11 +141,19 @@ def test_weight_transfer_backend_choice():
 
 def test_engine_args_rl_settings():
     cpu = generate.engine_args("m", cuda=False, seed=7)
-    assert cpu.logprobs_mode == "processed_logprobs" and cpu.hf_overrides == {"head_dtype": "float32"}
+    assert cpu.logprobs_mode == "processed_logprobs" and cpu.hf_overrides == {
+        "head_dtype": "float32"
+    }
     assert cpu.enable_prefix_caching and cpu.seed == 7 and cpu.enforce_eager
     assert cpu.kv_cache_memory_bytes == 2**30 and cpu.weight_transfer_config is None
-    gpu = generate.engine_args("m", cuda=True, tensor_parallel_size=2, data_parallel_size=4, weight_transfer="nccl")
-    assert not gpu.enforce_eager and gpu.gpu_memory_utilization == 0.85 and gpu.kv_cache_memory_bytes is None
+    gpu = generate.engine_args(
+        "m", cuda=True, tensor_parallel_size=2, data_parallel_size=4, weight_transfer="nccl"
+    )
+    assert (
+        not gpu.enforce_eager
+        and gpu.gpu_memory_utilization == 0.85
+        and gpu.kv_cache_memory_bytes is None
+    )
     assert (gpu.tensor_parallel_size, gpu.data_parallel_size) == (2, 4)
     assert gpu.weight_transfer_config.backend == "nccl"
 
@@ -140,39 +165,61 @@ def test_engine_args_rl_settings():
 @pytest.mark.slow
 def test_logprobs_match_transformers_at_start_and_after_updates(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    assert s.version == 0, "needs the engine's start weights: run before any test that updates weights"
+    assert s.version == 0, (
+        "needs the engine's start weights: run before any test that updates weights"
+    )
     start = vllm_engine.model_dir
-    embed_only = str(tmp_path / "embed_only")  # start weights with another embedding = another (tied) LM head
+    embed_only = str(
+        tmp_path / "embed_only"
+    )  # start weights with another embedding = another (tied) LM head
     sd = safetensors.torch.load_file(os.path.join(start, "model.safetensors"))
-    sd["model.embed_tokens.weight"] = torch.randn(V, H, generator=torch.Generator().manual_seed(9)) * 0.5
+    sd["model.embed_tokens.weight"] = (
+        torch.randn(V, H, generator=torch.Generator().manual_seed(9)) * 0.5
+    )
     os.makedirs(embed_only)
-    safetensors.torch.save_file(sd, os.path.join(embed_only, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        sd, os.path.join(embed_only, "model.safetensors"), metadata={"format": "pt"}
+    )
     shutil.copy(os.path.join(start, "config.json"), embed_only)
-    weights = [start] + [tiny.random_model(str(tmp_path / f"seed{k}"), seed=k) for k in (1, 2)] + [embed_only]
+    weights = (
+        [start]
+        + [tiny.random_model(str(tmp_path / f"seed{k}"), seed=k) for k in (1, 2)]
+        + [embed_only]
+    )
     checked = 0
     for i, model_dir in enumerate(weights):
         if i:
             assert run(s.update_weights(model_dir)) == i
         for temperature in (1.0, 0.7):
-            group = run(s.generate(PROMPT, n=4, temperature=temperature, think_budget=(6, 10), answer_budget=10))
+            group = run(
+                s.generate(
+                    PROMPT, n=4, temperature=temperature, think_budget=(6, 10), answer_budget=10
+                )
+            )
             for c in group:
                 assert (c.versions == i).all()
                 expected = hf_logp(model_dir, c, temperature)[c.mask]
                 assert torch.allclose(c.logp[c.mask].double(), expected, atol=1e-4, rtol=0)
                 assert (c.logp[~c.mask] == 0).all()
                 checked += int(c.mask.sum())
-    assert checked >= 4 * 2 * 4 * 8  # at least 4 groups x 2 temperatures x 4 rollouts x 8 sampled tokens
+    assert (
+        checked >= 4 * 2 * 4 * 8
+    )  # at least 4 groups x 2 temperatures x 4 rollouts x 8 sampled tokens
 
 
 @pytest.mark.vllm
 def test_budget_binds_phrase_once_then_truncated(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    version, expected_logp = load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])  # letters forever
+    version, expected_logp = load(
+        vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]]
+    )  # letters forever
     s.pop_stats()
     group = run(s.generate(PROMPT, n=8, think_budget=(20, 27), answer_budget=9))
     budgets = set()
     for c in group:
-        L = len(c.completion_ids) - len(PHRASE_IDS) - 9  # exact accounting: L + phrase + answer budget
+        L = (
+            len(c.completion_ids) - len(PHRASE_IDS) - 9
+        )  # exact accounting: L + phrase + answer budget
         budgets.add(L)
         assert 20 <= L <= 27
         think, phrase, answer = c.completion_ids[:L], c.completion_ids[L:-9], c.completion_ids[-9:]
@@ -180,18 +227,31 @@ def test_budget_binds_phrase_once_then_truncated(vllm_engine, tmp_path):
         assert c.completion_ids.count(THINK_END) == 1
         assert c.mask.tolist() == [True] * L + [False] * len(PHRASE_IDS) + [True] * 9
         assert (c.logp[~c.mask] == 0).all() and (c.versions == version).all()
-        assert torch.allclose(c.logp[c.mask].double(), torch.tensor(expected_logp(ord("a"), ord("b"))), atol=1e-4)
+        assert torch.allclose(
+            c.logp[c.mask].double(), torch.tensor(expected_logp(ord("a"), ord("b"))), atol=1e-4
+        )
         assert c.interrupted and c.truncated and c.finish_reason == "length"
         assert c.text == bytes(think).decode() + generate.PHRASE + bytes(answer).decode()
     assert len(budgets) > 1  # L is drawn per rollout
-    assert s.pop_stats() == {"gen/completions": 8, "gen/interrupt_rate": 1.0, "gen/truncation_rate": 1.0}
+    assert s.pop_stats() == {
+        "gen/completions": 8,
+        "gen/interrupt_rate": 1.0,
+        "gen/truncation_rate": 1.0,
+    }
 
 
 @pytest.mark.vllm
 def test_answer_after_phrase_can_finish(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    M = [[0, 1, 0, 0], [1, 2, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]  # other, letter -> letter; </think> -> EOS
-    version, expected_logp = load(vllm_engine, tmp_path, "fill_eos", [LETTERS, [THINK_END], [EOS]], M)
+    M = [
+        [0, 1, 0, 0],
+        [1, 2, 0, 0],
+        [0, 0, 0, 1],
+        [0, 0, 1, 0],
+    ]  # other, letter -> letter; </think> -> EOS
+    version, expected_logp = load(
+        vllm_engine, tmp_path, "fill_eos", [LETTERS, [THINK_END], [EOS]], M
+    )
     for c in run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9)):
         L = len(c.completion_ids) - len(PHRASE_IDS) - 1
         assert 12 <= L <= 15 and c.completion_ids[L:] == PHRASE_IDS + [EOS]
@@ -210,8 +270,17 @@ def test_own_think_end_gets_answer_phase_and_no_phrase(vllm_engine, tmp_path):
         assert c.completion_ids == [THINK_END, EOS] and c.mask.tolist() == [True, True]
         expected = [expected_logp(PROMPT[-1], THINK_END), expected_logp(THINK_END, EOS)]
         assert torch.allclose(c.logp.double(), torch.tensor(expected), atol=1e-4)
-        assert not c.interrupted and not c.truncated and c.finish_reason == "stop" and c.text == "</think>"
-    assert s.pop_stats() == {"gen/completions": 4, "gen/interrupt_rate": 0.0, "gen/truncation_rate": 0.0}
+        assert (
+            not c.interrupted
+            and not c.truncated
+            and c.finish_reason == "stop"
+            and c.text == "</think>"
+        )
+    assert s.pop_stats() == {
+        "gen/completions": 4,
+        "gen/interrupt_rate": 0.0,
+        "gen/truncation_rate": 0.0,
+    }
 
 
 @pytest.mark.vllm
@@ -228,32 +297,46 @@ def test_without_thinking_one_phase_one_budget(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])
     for c in run(s.generate(PROMPT, n=4, thinking=False, think_budget=(3, 4), answer_budget=11)):
-        assert len(c.completion_ids) == 11 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
+        assert (
+            len(c.completion_ids) == 11 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
+        )
         assert c.truncated and not c.interrupted and c.finish_reason == "length"
 
 
 @pytest.mark.vllm
 def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])  # letters forever, never </think>
-    s.interruptions = False  # the loo-lp ablation: no phrase; think_budget[1] + answer_budget tokens in one phase
+    load(
+        vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]]
+    )  # letters forever, never </think>
+    s.interruptions = (
+        False  # the loo-lp ablation: no phrase; think_budget[1] + answer_budget tokens in one phase
+    )
     try:
         group = run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9))
     finally:
         s.interruptions = True
     for c in group:
-        assert len(c.completion_ids) == 15 + 9 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
+        assert (
+            len(c.completion_ids) == 15 + 9
+            and set(c.completion_ids) <= set(LETTERS)
+            and c.mask.all()
+        )
         assert THINK_END not in c.completion_ids and not c.interrupted and c.truncated
 
 
 @pytest.mark.vllm
 def test_greedy_evaluation_is_deterministic(vllm_engine):
     s, run = vllm_engine.sampler, vllm_engine.run
-    run(s.update_weights(vllm_engine.model_dir))  # random weights: sampled rollouts differ, greedy ones cannot
+    run(
+        s.update_weights(vllm_engine.model_dir)
+    )  # random weights: sampled rollouts differ, greedy ones cannot
     first = run(s.generate(PROMPT, n=3, temperature=0.0, think_budget=(12, 15), answer_budget=9))
     again = run(s.generate(PROMPT, n=1, temperature=0.0, think_budget=(15, 15), answer_budget=9))
     sampled = run(s.generate(PROMPT, n=3, think_budget=(15, 15), answer_budget=9))
-    think = [c.completion_ids[:12] for c in first + again]  # the shortest budget: the first 12 tokens of each
+    think = [
+        c.completion_ids[:12] for c in first + again
+    ]  # the shortest budget: the first 12 tokens of each
     assert all(t == think[0] for t in think)
     assert len({tuple(c.completion_ids[:12]) for c in sampled}) > 1
 
@@ -263,13 +346,19 @@ def test_greedy_evaluation_is_deterministic(vllm_engine):
 def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     v0 = run(s.update_weights(vllm_engine.model_dir))  # random weights: 'x' has probability ~1/320
-    x_dir, expected_logp = crafted(vllm_engine.model_dir, str(tmp_path / "x"), [[ord("x")]], [[0, 1], [1, 2]])
+    x_dir, expected_logp = crafted(
+        vllm_engine.model_dir, str(tmp_path / "x"), [[ord("x")]], [[0, 1], [1, 2]]
+    )
     n_tokens = 400
 
     async def scenario():
-        rollouts = asyncio.create_task(s.generate(PROMPT, n=4, thinking=False, answer_budget=n_tokens))
+        rollouts = asyncio.create_task(
+            s.generate(PROMPT, n=4, thinking=False, answer_budget=n_tokens)
+        )
         # a streaming request beside them shows when decoding is under way; update after 20 of its tokens
-        probe = SamplingParams(max_tokens=n_tokens, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        probe = SamplingParams(
+            max_tokens=n_tokens, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
         seen, probe_tokens = 0, []
         async for out in s.engine.generate(TokensPrompt(prompt_token_ids=PROMPT), probe, "probe"):
             probe_tokens += out.outputs[0].token_ids
@@ -282,9 +371,13 @@ def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_pa
     for c in group:  # none dropped: every rollout ran to its budget
         assert len(c.completion_ids) == n_tokens and c.finish_reason == "length"
         switch = int((c.versions == v0).sum())
-        assert 0 < switch < n_tokens - 100 and c.versions.tolist() == [v0] * switch + [v1] * (n_tokens - switch)
+        assert 0 < switch < n_tokens - 100 and c.versions.tolist() == [v0] * switch + [v1] * (
+            n_tokens - switch
+        )
         assert set(c.completion_ids[switch:]) == {ord("x")}  # the new weights make 'x' near-certain
-        assert torch.allclose(c.logp[switch:].double(), torch.tensor(expected_logp(ord("x"), ord("x"))), atol=1e-4)
+        assert torch.allclose(
+            c.logp[switch:].double(), torch.tensor(expected_logp(ord("x"), ord("x"))), atol=1e-4
+        )
         assert c.completion_ids[:switch].count(ord("x")) < switch / 2
 
 
@@ -293,10 +386,15 @@ def test_bad_input_clear_errors_engine_keeps_serving(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     with pytest.raises(ValueError, match="non-empty prompt"):
         run(s.generate([], n=2))
-    with pytest.raises(ValueError, match="prompt of 1100 tokens \\+ budgets of 16 tokens exceed max_model_len 1024"):
+    with pytest.raises(
+        ValueError, match="prompt of 1100 tokens \\+ budgets of 16 tokens exceed max_model_len 1024"
+    ):
         run(s.generate([97] * 1100, n=2, thinking=False, answer_budget=16))
     budgets = 50 + 200 + len(PHRASE_IDS)  # answer + largest thinking budget + phrase
-    with pytest.raises(ValueError, match=f"prompt of 800 tokens \\+ budgets of {budgets} tokens exceed max_model_len"):
+    with pytest.raises(
+        ValueError,
+        match=f"prompt of 800 tokens \\+ budgets of {budgets} tokens exceed max_model_len",
+    ):
         run(s.generate([97] * 800, n=2, think_budget=(100, 200), answer_budget=50))
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights in"):
         run(s.update_weights(str(tmp_path / "missing")))
@@ -322,5 +420,10 @@ def test_nccl_path_pure_parts(vllm_engine):
     with pytest.raises(RuntimeError, match="NCCL needs 'nccl'"):
         s.sync_client(vllm_engine.loop)
     assert isinstance(generate._SyncClient(s, vllm_engine.loop), VLLMWeightSyncClient)
-    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+    for name in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ):
         assert callable(getattr(s.engine, name))

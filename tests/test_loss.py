@@ -36,7 +36,9 @@ def naive_logprobs(h, w, t, temperature=1.0):
     return torch.log_softmax(h @ w.T / temperature, -1).gather(1, t[:, None])[:, 0]
 
 
-def np_policy_loss(logp, old, adv, w, kind, eps_low=0.2, eps_high=0.28, cap=4.0, g_lo=3e-3, g_hi=5e-3):
+def np_policy_loss(
+    logp, old, adv, w, kind, eps_low=0.2, eps_high=0.28, cap=4.0, g_lo=3e-3, g_hi=5e-3
+):
     """Loss and d loss / d logp from the paper's formulas, with the gradient derived by hand."""
     valid = w > 0
     loss_val, grad = 0.0, np.zeros_like(logp)
@@ -59,7 +61,9 @@ def np_policy_loss(logp, old, adv, w, kind, eps_low=0.2, eps_high=0.28, cap=4.0,
                 grad[i, t] = -w[i, t] * min(rho, cap) * A
             else:
                 clipped = (A > 0 and rho > 1 + eps_high) or (A < 0 and rho < 1 - eps_low)
-                loss_val -= w[i, t] * (min(max(rho, 1 - eps_low), 1 + eps_high) * A if clipped else rho * A)
+                loss_val -= w[i, t] * (
+                    min(max(rho, 1 - eps_low), 1 + eps_high) * A if clipped else rho * A
+                )
                 grad[i, t] = 0.0 if clipped else -w[i, t] * A * rho
     return loss_val, grad
 
@@ -104,7 +108,9 @@ def test_token_logprobs_matches_float64_and_naive_autograd(chunk_size, temperatu
     np.testing.assert_allclose(logp.detach().numpy(), ref, rtol=0, atol=1e-5)
     gh, gw = torch.autograd.grad((logp * up).sum(), (h, w))
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    rh, rw = torch.autograd.grad((naive_logprobs(h64, w64, t, temperature) * up.double()).sum(), (h64, w64))
+    rh, rw = torch.autograd.grad(
+        (naive_logprobs(h64, w64, t, temperature) * up.double()).sum(), (h64, w64)
+    )
     assert gh.dtype == gw.dtype == torch.float32
     torch.testing.assert_close(gh.double(), rh, rtol=0, atol=1e-5)
     torch.testing.assert_close(gw.double(), rw, rtol=0, atol=1e-5)
@@ -119,7 +125,9 @@ def test_token_logprobs_bf16_gives_float32_logp_and_input_dtype_grads():
     logp = loss.token_logprobs(h, w, t, chunk_size=6)
     assert logp.dtype == torch.float32
     # bf16 -> fp32 is exact, so the fp32 head must agree with float64 on the upcast values
-    ref = np_log_softmax_pick(h.detach().float().numpy(), w.detach().float().numpy(), t.numpy(), 1.0)
+    ref = np_log_softmax_pick(
+        h.detach().float().numpy(), w.detach().float().numpy(), t.numpy(), 1.0
+    )
     np.testing.assert_allclose(logp.detach().numpy(), ref, rtol=0, atol=1e-5)
     logp.sum().backward()
     assert h.grad.dtype == w.grad.dtype == torch.bfloat16
@@ -136,7 +144,9 @@ def test_head_dtype_bf16_rounds_the_logits_like_a_bf16_head():
     h, w = torch.randn(N, H, generator=g) * 3, torch.randn(V, H, generator=g)
     t = torch.randint(0, V, (N,), generator=g)
     lowp = loss.token_logprobs(h, w, t, temperature=0.7, chunk_size=5, head_dtype=torch.bfloat16)
-    ref = torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float() / 0.7, -1).gather(1, t[:, None])[:, 0]
+    ref = torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float() / 0.7, -1).gather(
+        1, t[:, None]
+    )[:, 0]
     torch.testing.assert_close(lowp, ref, rtol=1e-6, atol=1e-5)
     fp32 = loss.token_logprobs(h, w, t, temperature=0.7)
     assert (lowp - fp32).abs().max() > 1e-3  # the switch really changes the head's precision
@@ -156,14 +166,18 @@ def test_token_logprobs_never_builds_an_N_by_V_tensor_and_skips_a_frozen_head():
         with RecordShapes(big=chunk * V) as bwd:
             logp.sum().backward()
         assert max(math.prod(s) for s in fwd.shapes + bwd.shapes) <= max(chunk * V, V * H)
-        assert fwd.max_alive == 1 and bwd.max_alive == int(trainable)  # one (chunk, V) block at a time
+        assert fwd.max_alive == 1 and bwd.max_alive == int(
+            trainable
+        )  # one (chunk, V) block at a time
         assert (w.grad is not None) == trainable
         # a frozen head does no (V, H) or (chunk, V) work in backward
         assert trainable or not [s for s in bwd.shapes if s in ((V, H), (chunk, V))]
         h64 = h.detach().double().requires_grad_()
         naive_logprobs(h64, w.detach().double(), t).sum().backward()
         torch.testing.assert_close(h.grad.double(), h64.grad, rtol=0, atol=1e-5)
-    with RecordShapes(big=chunk * V) as naive:  # positive control: the recorder sees the naive path's (N, V) blocks
+    with RecordShapes(
+        big=chunk * V
+    ) as naive:  # positive control: the recorder sees the naive path's (N, V) blocks
         naive_logprobs(h, w, t).sum().backward()
     assert (N, V) in naive.shapes and naive.max_alive >= 2
 
@@ -202,13 +216,17 @@ def test_completion_logprobs_aligns_a_padded_batch():
     hidden = torch.randn(S, T, H, generator=g, requires_grad=True)
     w = torch.randn(V, H, generator=g)
     ids = torch.randint(0, V, (S, T), generator=g)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor(
+        [[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], dtype=torch.bool
+    )
     logp = loss.completion_logprobs(hidden, w, ids, mask, temperature=0.9, chunk_size=2)
     assert logp.shape == (S, T) and logp.dtype == torch.float32
     H_np, W_np = hidden.detach().numpy(), w.numpy()
     for s in range(S):
         for t in range(T):
-            pick = np_log_softmax_pick(H_np[s, t - 1][None], W_np, ids[s, t : t + 1].numpy(), 0.9)[0]
+            pick = np_log_softmax_pick(H_np[s, t - 1][None], W_np, ids[s, t : t + 1].numpy(), 0.9)[
+                0
+            ]
             want = pick if mask[s, t] else 0.0
             assert abs(logp[s, t].item() - want) < 1e-5, (s, t)
     logp.sum().backward()
@@ -232,11 +250,15 @@ def test_zero_variance_group_is_exactly_zero_even_from_float_residue():
         adv = loss.group_advantages(rewards, gids, norm=norm)
         assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
         assert (adv[:8] == 0).all(), norm
-    only_flat = loss.group_advantages(torch.full((8,), 0.35), torch.zeros(8, dtype=torch.long), "batch")
+    only_flat = loss.group_advantages(
+        torch.full((8,), 0.35), torch.zeros(8, dtype=torch.long), "batch"
+    )
     assert (only_flat == 0).all()
     tenths = torch.full((3,), 0.1, dtype=torch.float64)
     residue = loss.group_advantages(tenths, torch.zeros(3, dtype=torch.long), "none")
-    assert residue.dtype == torch.float64 and (residue == 0).all()  # float64 mean of 0.1s is off by 1e-17
+    assert (
+        residue.dtype == torch.float64 and (residue == 0).all()
+    )  # float64 mean of 0.1s is off by 1e-17
 
 
 def test_group_advantages_by_hand():
@@ -247,9 +269,13 @@ def test_group_advantages_by_hand():
     np.testing.assert_allclose(loss.group_advantages(rewards, gids, "none").numpy(), c, atol=1e-7)
     std7, std3 = math.sqrt(0.1875), math.sqrt(2 / 9)  # population stds of (1,0,0,0) and (1,1,0)
     per_group = np.array([std7, std3, std7, std3, std7, 1.0, std7, std3, 1.0])
-    np.testing.assert_allclose(loss.group_advantages(rewards, gids, "prompt").numpy(), c / per_group, atol=1e-6)
+    np.testing.assert_allclose(
+        loss.group_advantages(rewards, gids, "prompt").numpy(), c / per_group, atol=1e-6
+    )
     batch_std = math.sqrt(np.mean(c**2))  # population std of the 9 centred values (their mean is 0)
-    np.testing.assert_allclose(loss.group_advantages(rewards, gids, "batch").numpy(), c / batch_std, atol=1e-6)
+    np.testing.assert_allclose(
+        loss.group_advantages(rewards, gids, "batch").numpy(), c / batch_std, atol=1e-6
+    )
 
 
 def test_group_advantages_errors():
@@ -269,7 +295,15 @@ def test_group_advantages_errors():
 # ---------------------------------------------------------------- aggregation_weights
 
 
-LENS = [2, 4, 1, 1, 6, 0, 3]  # group 0: samples 0, 1 (6 tokens); group 1: samples 2-4, 6 (11 tokens), 2: sample 5
+LENS = [
+    2,
+    4,
+    1,
+    1,
+    6,
+    0,
+    3,
+]  # group 0: samples 0, 1 (6 tokens); group 1: samples 2-4, 6 (11 tokens), 2: sample 5
 GIDS = torch.tensor([0, 0, 1, 1, 1, 2, 1])  # group 2 has no valid token, so it is not counted in P
 
 
@@ -282,7 +316,12 @@ def test_aggregations_match_the_paper_formulas_on_unequal_groups():
     ell = np.random.default_rng(0).normal(size=mask.shape)  # arbitrary per-token terms
     groups = {0: [0, 1], 1: [2, 3, 4, 6]}
     by_hand = {  # PAPER.md section 2; P = 2 groups, S = 6 non-empty samples
-        "prompt": np.mean([sum(ell[i, : LENS[i]].sum() for i in g) / sum(LENS[i] for i in g) for g in groups.values()]),
+        "prompt": np.mean(
+            [
+                sum(ell[i, : LENS[i]].sum() for i in g) / sum(LENS[i] for i in g)
+                for g in groups.values()
+            ]
+        ),
         "sample": np.mean([ell[i, : LENS[i]].mean() for i in (0, 1, 2, 3, 4, 6)]),
         "token": sum(ell[i, : LENS[i]].sum() for i in range(7)) / 17,
     }
@@ -295,7 +334,9 @@ def test_aggregations_match_the_paper_formulas_on_unequal_groups():
         assert abs(w[0, 0].item() - first_token[agg]) < 1e-7
         results[agg] = float((w.double().numpy() * ell).sum())
         assert abs(results[agg] - by_hand[agg]) < 1e-6, agg
-    assert len({round(v, 6) for v in results.values()}) == 3  # the three aggregations really differ here
+    assert (
+        len({round(v, 6) for v in results.values()}) == 3
+    )  # the three aggregations really differ here
 
 
 @pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
@@ -305,7 +346,9 @@ def test_micro_batch_shares_sum_to_the_full_batch_loss(kind, agg):
     rng = np.random.default_rng(1)
     logp = torch.tensor(rng.normal(-1, 0.5, mask.shape), dtype=torch.float64, requires_grad=True)
     old = (logp.detach() + torch.tensor(rng.normal(0, 0.3, mask.shape))).clone()
-    adv = loss.group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0]), GIDS, "batch").double()
+    adv = loss.group_advantages(
+        torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0]), GIDS, "batch"
+    ).double()
     w = loss.aggregation_weights(mask, GIDS, agg).double()
     full, _ = loss.policy_loss(logp, old, adv, w, kind)
     (full_grad,) = torch.autograd.grad(full, logp)
@@ -343,7 +386,9 @@ def random_batch(seed, S=5, T=7, spread=0.4):
 @pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_loss_matches_numpy_reference(kind, seed):
-    logp, old, adv, w = random_batch(seed, spread=0.01 if kind == "gspo" else 1.0)  # both sides of every clip
+    logp, old, adv, w = random_batch(
+        seed, spread=0.01 if kind == "gspo" else 1.0
+    )  # both sides of every clip
     if kind == "gspo":
         old[0] = logp[0] - 0.02  # one sequence far outside the gspo clip range
     lp = torch.tensor(logp, requires_grad=True)
@@ -355,7 +400,10 @@ def test_policy_loss_matches_numpy_reference(kind, seed):
     rho = np.exp(logp - old)[w > 0]
     assert metrics["n_tokens"].item() == (w > 0).sum()
     assert abs(metrics["rho_mean"].item() - rho.mean()) < 1e-5
-    assert abs(metrics["rho_min"].item() - rho.min()) < 1e-5 and abs(metrics["rho_max"].item() - rho.max()) < 1e-5
+    assert (
+        abs(metrics["rho_min"].item() - rho.min()) < 1e-5
+        and abs(metrics["rho_max"].item() - rho.max()) < 1e-5
+    )
     zero_grad_tokens = (want_grad == 0) & (w > 0) & (adv[:, None] != 0)
     if kind != "cispo":  # PPO-style: a token is clipped exactly when its gradient is zeroed
         assert abs(metrics["clip_frac"].item() - zero_grad_tokens.sum() / (w > 0).sum()) < 1e-6
@@ -373,13 +421,21 @@ def test_padding_never_changes_loss_or_gradient(kind):
     (ref_grad,) = torch.autograd.grad(ref, lp)
     junk = np.resize(np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 50.0]), (w == 0).sum())
     pad = 3  # extra all-padding columns
-    for extra in (0, pad):  # garbage in the existing padding (bitwise equal), then wider padding too
-        logp_p, old_p = np.concatenate([logp, np.zeros((5, extra))], 1), np.concatenate([old, np.zeros((5, extra))], 1)
+    for extra in (
+        0,
+        pad,
+    ):  # garbage in the existing padding (bitwise equal), then wider padding too
+        logp_p, old_p = (
+            np.concatenate([logp, np.zeros((5, extra))], 1),
+            np.concatenate([old, np.zeros((5, extra))], 1),
+        )
         w_p = np.concatenate([w, np.zeros((5, extra))], 1)
         fill = np.resize(junk, (w_p == 0).sum())
         logp_p[w_p == 0], old_p[w_p == 0] = fill, fill[::-1]
         lp_p = torch.tensor(logp_p, requires_grad=True)
-        out, m = loss.policy_loss(lp_p, torch.tensor(old_p), torch.tensor(adv), torch.tensor(w_p), kind)
+        out, m = loss.policy_loss(
+            lp_p, torch.tensor(old_p), torch.tensor(adv), torch.tensor(w_p), kind
+        )
         (grad,) = torch.autograd.grad(out, lp_p)
         assert (grad[torch.tensor(w_p) == 0] == 0).all()
         if extra == 0:  # same shapes, same reduction order: exactly equal
@@ -393,8 +449,13 @@ def test_padding_never_changes_loss_or_gradient(kind):
 
 def one_token(logp, old, adv, kind, weight=1.0):
     lp = torch.tensor([[logp]], dtype=torch.float64, requires_grad=True)
-    out, m = loss.policy_loss(lp, torch.tensor([[old]], dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
-                              torch.tensor([[weight]], dtype=torch.float64), kind)
+    out, m = loss.policy_loss(
+        lp,
+        torch.tensor([[old]], dtype=torch.float64),
+        torch.tensor([adv], dtype=torch.float64),
+        torch.tensor([[weight]], dtype=torch.float64),
+        kind,
+    )
     out.backward()
     return out.item(), lp.grad.item(), m["clip_frac"].item()
 
@@ -407,7 +468,9 @@ def test_cispo_keeps_gradient_above_the_cap_where_dapo_zeroes_it():
     assert one_token(0.0, -math.log(1.1), 1.0, "cispo", 0.5)[1:] == pytest.approx((-0.55, 0.0))
     assert one_token(0.0, -math.log(1.1), 1.0, "dapo", 0.5)[1:] == pytest.approx((-0.55, 0.0))
     # CISPO has no lower bound: rho = 0.01 still weighs 0.01; loss = -w * rho * A * logp
-    assert one_token(-2.0, -2.0 + math.log(100), 1.0, "cispo") == pytest.approx((0.01 * 2.0, -0.01, 0.0))
+    assert one_token(-2.0, -2.0 + math.log(100), 1.0, "cispo") == pytest.approx(
+        (0.01 * 2.0, -0.01, 0.0)
+    )
 
 
 def test_clip_side_for_negative_advantage():
@@ -424,11 +487,17 @@ def test_clip_side_for_negative_advantage():
 
 def test_gspo_sequence_ratio_ignores_padded_tokens():
     logp = torch.tensor([[-1.0, -2.0, -0.5, 9.0]], dtype=torch.float64, requires_grad=True)
-    old = torch.tensor([[-1.001, -2.003, -0.5, -9.0]], dtype=torch.float64)  # padded token: log ratio 18
+    old = torch.tensor(
+        [[-1.001, -2.003, -0.5, -9.0]], dtype=torch.float64
+    )  # padded token: log ratio 18
     w = torch.tensor([[0.25, 0.25, 0.5, 0.0]], dtype=torch.float64)
     out, m = loss.policy_loss(logp, old, torch.tensor([2.0], dtype=torch.float64), w, "gspo")
-    s = math.exp((0.001 + 0.003 + 0.0) / 3)  # mean over the 3 valid tokens only, inside [0.997, 1.005]
-    assert out.item() == pytest.approx(-1.0 * 2.0 * s, abs=1e-12)  # sequence weight = 0.25 + 0.25 + 0.5
+    s = math.exp(
+        (0.001 + 0.003 + 0.0) / 3
+    )  # mean over the 3 valid tokens only, inside [0.997, 1.005]
+    assert out.item() == pytest.approx(
+        -1.0 * 2.0 * s, abs=1e-12
+    )  # sequence weight = 0.25 + 0.25 + 0.5
     out.backward()
     np.testing.assert_allclose(logp.grad.numpy(), [[-2 * s / 3] * 3 + [0.0]], atol=1e-12)
     assert m["n_tokens"].item() == 3 and m["clip_frac"].item() == 0
@@ -437,7 +506,9 @@ def test_gspo_sequence_ratio_ignores_padded_tokens():
 def test_rho_is_against_the_sampler_log_probs():
     logp = torch.tensor([[-1.0, -3.0]], requires_grad=True)
     sampler = torch.tensor([[-2.0, -3.5]])  # behaviour log-probs from vLLM
-    out, m = loss.policy_loss(logp, sampler, torch.tensor([1.0]), torch.tensor([[0.5, 0.5]]), "cispo")
+    out, m = loss.policy_loss(
+        logp, sampler, torch.tensor([1.0]), torch.tensor([[0.5, 0.5]]), "cispo"
+    )
     rho = [math.e, math.exp(0.5)]
     assert out.item() == pytest.approx(-0.5 * (rho[0] * -1.0 + rho[1] * -3.0), rel=1e-6)
     assert m["rho_mean"].item() == pytest.approx(sum(rho) / 2, rel=1e-6)

@@ -46,7 +46,9 @@ def make_prompts(n=8):
     tok = tiny.build_tokenizer()
     chats = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)]
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    return [Prompt(i, tok.encode(t, add_special_tokens=False), str(2 * i)) for i, t in enumerate(texts)]
+    return [
+        Prompt(i, tok.encode(t, add_special_tokens=False), str(2 * i)) for i, t in enumerate(texts)
+    ]
 
 
 class CountingPool(filters.PromptPool):
@@ -82,7 +84,9 @@ def perturbed(pipe, start_sd, version):
     gen = torch.Generator().manual_seed(version)
     path = pipe.weights_dir(version)
     sd = {k: t + 0.02 * torch.randn(t.shape, generator=gen) for k, t in start_sd.items()}
-    safetensors.torch.save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
+    )
     return path
 
 
@@ -104,46 +108,75 @@ def loop():
 
 # ---- (1) the rule, pure ----
 
-@pytest.mark.parametrize("version, min_version, k, ok", [
-    (5, 5, 0, True),  # on-policy
-    (6, 5, 0, False),  # k = 0: one step old is too old
-    (13, 5, 8, True),  # lag 8 = k
-    (14, 5, 8, False),  # lag 9 = k + 1
-    (3, 2, 1, True),  # lag 1 = k
-    (4, 2, 1, False),  # sampled wholly at 2, waited in the queue while the trainer took 2 steps: lag 2
-    (6, min([2, 2, 3, 5]), 3, False),  # tokens from 2..5 (in-flight updates): the oldest counts, lag 4
-    (6, min([3, 4, 5]), 3, True),  # oldest 3: lag 3
-])
+
+@pytest.mark.parametrize(
+    "version, min_version, k, ok",
+    [
+        (5, 5, 0, True),  # on-policy
+        (6, 5, 0, False),  # k = 0: one step old is too old
+        (13, 5, 8, True),  # lag 8 = k
+        (14, 5, 8, False),  # lag 9 = k + 1
+        (3, 2, 1, True),  # lag 1 = k
+        (
+            4,
+            2,
+            1,
+            False,
+        ),  # sampled wholly at 2, waited in the queue while the trainer took 2 steps: lag 2
+        (
+            6,
+            min([2, 2, 3, 5]),
+            3,
+            False,
+        ),  # tokens from 2..5 (in-flight updates): the oldest counts, lag 4
+        (6, min([3, 4, 5]), 3, True),  # oldest 3: lag 3
+    ],
+)
 def test_accept_table(version, min_version, k, ok):
     assert pipeline.accept(version, min_version, k) is ok
 
 
-@pytest.mark.parametrize("t_next, outstanding, P_, v, k, ok", [
-    (0, 0, 4, 0, 0, True),  # k = 0: the batch's first group
-    (0, 3, 4, 0, 0, True),  # its 4th
-    (0, 4, 4, 0, 0, False),  # a 5th would be trained on at version 1
-    (1, 0, 4, 0, 0, False),  # trainer at 1, sampler still at 0: wait for the publish
-    (1, 0, 4, 1, 0, True),
-    (0, 17, 2, 0, 8, True),  # 17 ahead = 8 batches: consumed at 8, lag 8
-    (0, 18, 2, 0, 8, False),  # consumed at 9: lag 9
-    (9, 0, 2, 1, 8, True),  # sampler 8 versions behind the trainer: still allowed
-    (10, 0, 2, 1, 8, False),
-])
+@pytest.mark.parametrize(
+    "t_next, outstanding, P_, v, k, ok",
+    [
+        (0, 0, 4, 0, 0, True),  # k = 0: the batch's first group
+        (0, 3, 4, 0, 0, True),  # its 4th
+        (0, 4, 4, 0, 0, False),  # a 5th would be trained on at version 1
+        (1, 0, 4, 0, 0, False),  # trainer at 1, sampler still at 0: wait for the publish
+        (1, 0, 4, 1, 0, True),
+        (0, 17, 2, 0, 8, True),  # 17 ahead = 8 batches: consumed at 8, lag 8
+        (0, 18, 2, 0, 8, False),  # consumed at 9: lag 9
+        (9, 0, 2, 1, 8, True),  # sampler 8 versions behind the trainer: still allowed
+        (10, 0, 2, 1, 8, False),
+    ],
+)
 def test_may_start_table(t_next, outstanding, P_, v, k, ok):
     assert pipeline.may_start(t_next, outstanding, P_, v, k) is ok
 
 
 def test_bad_settings_raise():
     with pytest.raises(ValueError, match="max_lag"):
-        pipeline.Pipeline("model", [], filters.PromptPool(1), group_size=2, prompts_per_batch=1, mode="ppo",
-                          max_lag=0)
+        pipeline.Pipeline(
+            "model",
+            [],
+            filters.PromptPool(1),
+            group_size=2,
+            prompts_per_batch=1,
+            mode="ppo",
+            max_lag=0,
+        )
     with pytest.raises(ValueError, match="model directory"):
-        pipeline.Pipeline(object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_batch=1)
+        pipeline.Pipeline(
+            object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_batch=1
+        )
     with pytest.raises(ValueError, match="n_prompts"):
-        pipeline.Pipeline("model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_batch=1)
+        pipeline.Pipeline(
+            "model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_batch=1
+        )
 
 
 # ---- (2) invariants on a real run ----
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
@@ -152,8 +185,17 @@ def test_invariants_real_run(vllm_engine, k, steps):
     prompts, pool, rew = make_prompts(), CountingPool(8), ParityReward()
     sd = start_weights(vllm_engine.model_dir)
     batches, seen = [], set()
-    with pipeline.Pipeline(vllm_engine.sampler, prompts, pool, loop=vllm_engine.loop, group_size=G,
-                           prompts_per_batch=P, max_lag=k, max_inflight=4 * P, reward_fn=rew) as pipe:
+    with pipeline.Pipeline(
+        vllm_engine.sampler,
+        prompts,
+        pool,
+        loop=vllm_engine.loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=k,
+        max_inflight=4 * P,
+        reward_fn=rew,
+    ) as pipe:
         for v in range(steps):
             batch = pipe.get_batch(v, timeout=120)
             batches.append(batch)
@@ -165,16 +207,23 @@ def test_invariants_real_run(vllm_engine, k, steps):
                 lag = v - g.min_version
                 assert 0 <= lag <= k
                 for c in g.completions:
-                    assert (c.versions[1:] >= c.versions[:-1]).all()  # non-decreasing inside a completion
+                    assert (
+                        c.versions[1:] >= c.versions[:-1]
+                    ).all()  # non-decreasing inside a completion
                     if k == 0:
-                        assert (c.versions == v).all()  # synchronous: every token from the current policy
+                        assert (
+                            c.versions == v
+                        ).all()  # synchronous: every token from the current policy
                 assert g.min_version == min(int(c.versions[c.mask].min()) for c in g.completions)
                 assert g.max_version == max(int(c.versions[c.mask].max()) for c in g.completions)
                 assert g.rewards == [float(len(c.text) % 2) for c in g.completions]
             lags = [v - g.min_version for g in batch.groups]
-            assert batch.metrics["train/lag_max"] == max(lags) and batch.metrics["train/lag_min"] == min(lags)
-            assert batch.metrics["gen/tokens"] == sum(len(c.completion_ids) for g in batch.groups
-                                                      for c in g.completions)
+            assert batch.metrics["train/lag_max"] == max(lags) and batch.metrics[
+                "train/lag_min"
+            ] == min(lags)
+            assert batch.metrics["gen/tokens"] == sum(
+                len(c.completion_ids) for g in batch.groups for c in g.completions
+            )
             if v < steps - 1:
                 pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
         # The trainer stops at version steps - 1: the throttle lets exactly k * P more groups start; then all settle.
@@ -185,20 +234,31 @@ def test_invariants_real_run(vllm_engine, k, steps):
         time.sleep(1.0)  # would anything more start?
         assert rew.calls == pool.draws == consumed + dropped + k * P
         assert dropped == pipe.dropped
-    if k == 8:  # the producer ran ahead: some group was trained on with a lag, and updates hit running requests
+    if (
+        k == 8
+    ):  # the producer ran ahead: some group was trained on with a lag, and updates hit running requests
         assert max(b.metrics["train/lag_max"] for b in batches) >= 1
         assert any(g.max_version > g.min_version for b in batches for g in b.groups)
 
 
 # ---- (3) drops, directories, evaluate ----
 
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
     k, rew, prompts = 1, ParityReward(), make_prompts()
     sd = start_weights(vllm_engine.model_dir)
-    with pipeline.Pipeline(vllm_engine.sampler, prompts, CountingPool(8), loop=vllm_engine.loop, group_size=G,
-                           prompts_per_batch=P, max_lag=k, reward_fn=rew) as pipe:
+    with pipeline.Pipeline(
+        vllm_engine.sampler,
+        prompts,
+        CountingPool(8),
+        loop=vllm_engine.loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=k,
+        reward_fn=rew,
+    ) as pipe:
         first = pipe.get_batch(0, timeout=120)
         assert first.metrics["gen/dropped_stale"] == 0
         # 2P groups started at version 0 (P batches ahead is lag 1 = k): P are left; let them finish and wait in
@@ -218,32 +278,53 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
         assert metrics["eval/mean_len"] == sum(r["tokens"] for r in records) / 4
         assert "eval/greedy_pass_rate" not in metrics
         metrics, records = pipe.evaluate(prompts[:4], n=1, greedy=True, timeout=60)
-        assert len(records) == 4  # the sampled ones only: greedy samples are reported apart, never mixed in
+        assert (
+            len(records) == 4
+        )  # the sampled ones only: greedy samples are reported apart, never mixed in
         assert metrics["eval/pass_rate"] == sum(len(r["text"]) % 2 for r in records) / 4
-        assert metrics["eval/greedy_pass_rate"] in (0, 0.25, 0.5, 0.75, 1)  # one greedy sample of each of 4 prompts
+        assert metrics["eval/greedy_pass_rate"] in (
+            0,
+            0.25,
+            0.5,
+            0.75,
+            1,
+        )  # one greedy sample of each of 4 prompts
         batch = pipe.get_batch(3, timeout=120)
         assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
         assert pipe.dropped == P
         assert all(g.min_version == 3 for g in batch.groups)  # started once version 3 was loaded
         assert not any(os.path.exists(p) for p in paths)  # loaded or superseded: deleted
-    vllm_engine.run(vllm_engine.sampler.generate(prompts[0].prompt_ids, n=1), timeout=60)  # engine still serves
+    vllm_engine.run(
+        vllm_engine.sampler.generate(prompts[0].prompt_ids, n=1), timeout=60
+    )  # engine still serves
 
 
 # ---- (4) failures ----
+
 
 @pytest.mark.vllm
 def test_reward_error_reaches_get_batch(vllm_engine):
     rew = ParityReward(fail_on=3)
     sd = start_weights(vllm_engine.model_dir)
-    with pipeline.Pipeline(vllm_engine.sampler, make_prompts(), CountingPool(8), loop=vllm_engine.loop,
-                           group_size=G, prompts_per_batch=P, max_lag=1, reward_fn=rew) as pipe:
+    with pipeline.Pipeline(
+        vllm_engine.sampler,
+        make_prompts(),
+        CountingPool(8),
+        loop=vllm_engine.loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=1,
+        reward_fn=rew,
+    ) as pipe:
         with pytest.raises(ValueError, match="exploded on group 3") as info:
             for v in range(10):
                 pipe.get_batch(v, timeout=120)
                 pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
         assert time.monotonic() - rew.raised_at < 10
         assert info.value is rew.error
-        assert "__call__" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]  # producer's frames
+        assert "__call__" in [
+            f.name for f in traceback.extract_tb(info.value.__traceback__)
+        ]  # producer's frames
         with pytest.raises(ValueError, match="exploded"):
             pipe.publish(perturbed(pipe, sd, 99), 99)
     vllm_engine.run(vllm_engine.sampler.generate(make_prompts(1)[0].prompt_ids, n=1), timeout=60)
@@ -268,8 +349,16 @@ class HangingSampler:
 
 def test_hang_caught_by_gen_timeout(loop):
     sampler = HangingSampler()
-    with pipeline.Pipeline(sampler, make_prompts(), filters.PromptPool(8), loop=loop, group_size=G,
-                           prompts_per_batch=P, max_lag=0, gen_timeout=1.0) as pipe:
+    with pipeline.Pipeline(
+        sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=0,
+        gen_timeout=1.0,
+    ) as pipe:
         t = time.monotonic()
         with pytest.raises(TimeoutError, match=r"not sampled and scored within gen_timeout=1.0 s"):
             pipe.get_batch(0, timeout=30)
@@ -279,10 +368,19 @@ def test_hang_caught_by_gen_timeout(loop):
 
 def test_hang_caught_by_get_batch_timeout_then_close_cancels(loop):
     sampler = HangingSampler()
-    pipe = pipeline.Pipeline(sampler, make_prompts(), filters.PromptPool(8), loop=loop, group_size=G,
-                             prompts_per_batch=P, max_lag=8)
+    pipe = pipeline.Pipeline(
+        sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=8,
+    )
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"within 1.0 s: 0 queued.*generating 4 groups, the oldest for"):
+    with pytest.raises(
+        TimeoutError, match=r"within 1.0 s: 0 queued.*generating 4 groups, the oldest for"
+    ):
         pipe.get_batch(0, timeout=1.0)  # max_inflight 2P = 4 groups hang
     assert 1.0 <= time.monotonic() - t < 3
     t = time.monotonic()
@@ -297,8 +395,15 @@ def test_data_error_reaches_get_batch(loop):
     pool = filters.PromptPool(2)
     pool.record(0, 4, 4)
     pool.record(1, 4, 4)  # every prompt retired: next() raises
-    with pipeline.Pipeline(HangingSampler(), make_prompts(2), pool, loop=loop, group_size=G, prompts_per_batch=P,
-                           max_lag=0) as pipe:
+    with pipeline.Pipeline(
+        HangingSampler(),
+        make_prompts(2),
+        pool,
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=0,
+    ) as pipe:
         t = time.monotonic()
         with pytest.raises(RuntimeError, match="all 2 prompts are retired") as info:
             pipe.get_batch(0, timeout=30)
@@ -308,6 +413,7 @@ def test_data_error_reaches_get_batch(loop):
 
 # ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline on Ctrl-C ----
 
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
@@ -316,26 +422,51 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
     model_dir = tiny.random_model(str(tmp_path / "start"), seed=1)
     sd = start_weights(model_dir)
 
-    def boxed_parity(responses, golds, thinking, timeout):  # real math-verify workers, so close() must stop them
-        return reward.math_rewards([f"</think> \\boxed{{{len(r) % 2}}}" for r in responses], golds, thinking, timeout)
+    def boxed_parity(
+        responses, golds, thinking, timeout
+    ):  # real math-verify workers, so close() must stop them
+        return reward.math_rewards(
+            [f"</think> \\boxed{{{len(r) % 2}}}" for r in responses], golds, thinking, timeout
+        )
 
     prompts = [Prompt(p.index, p.prompt_ids, "1") for p in make_prompts()]
     k, closed_in = 2, None
     with pytest.raises(KeyboardInterrupt):
-        with pipeline.Pipeline(model_dir, prompts, filters.PromptPool(8), group_size=G, prompts_per_batch=P,
-                               max_lag=k, mode="ppo", reward_fn=boxed_parity,
-                               sampler_kwargs=dict(dtype="float32", max_model_len=1024, kv_cache_gib=0.25,
-                                                   max_num_seqs=64, think_budget=(16, 32), answer_budget=16)) as pipe:
+        with pipeline.Pipeline(
+            model_dir,
+            prompts,
+            filters.PromptPool(8),
+            group_size=G,
+            prompts_per_batch=P,
+            max_lag=k,
+            mode="ppo",
+            reward_fn=boxed_parity,
+            sampler_kwargs=dict(
+                dtype="float32",
+                max_model_len=1024,
+                kv_cache_gib=0.25,
+                max_num_seqs=64,
+                think_budget=(16, 32),
+                answer_budget=16,
+            ),
+        ) as pipe:
             for v in range(3 * k):
                 batch = pipe.get_batch(v, timeout=120)
                 round_version = v - v % k  # weights change only every k batches
-                assert all((c.versions == round_version).all() for g in batch.groups for c in g.completions)
+                assert all(
+                    (c.versions == round_version).all() for g in batch.groups for c in g.completions
+                )
                 assert batch.metrics["train/lag_max"] == batch.metrics["train/lag_min"] == v % k
                 assert batch.metrics["gen/dropped_stale"] == 0
-                assert all(g.rewards == [float(len(c.text) % 2 == 1) for c in g.completions] for g in batch.groups)
+                assert all(
+                    g.rewards == [float(len(c.text) % 2 == 1) for c in g.completions]
+                    for g in batch.groups
+                )
                 pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
             deadline = time.monotonic() + 60
-            while not pipe._inflight and time.monotonic() < deadline:  # the next round is being generated
+            while (
+                not pipe._inflight and time.monotonic() < deadline
+            ):  # the next round is being generated
                 time.sleep(0.05)
             assert pipe._inflight
             t = time.monotonic()

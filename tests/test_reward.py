@@ -55,22 +55,25 @@ def _close_pool():
 
 
 # ---------------------------------------------------------------- extract_boxed
-@pytest.mark.parametrize("text,expected", [
-    ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-    ("\\boxed{1} then \\boxed{2}", "2"),                   # last box wins
-    ("\\boxed{1} then \\boxed{2", None),                   # the last box is unclosed: a truncated answer
-    ("no box here", None),
-    ("", None),
-    ("\\boxed {x^{2}}", "x^{2}"),                           # space before the brace
-    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),                    # escaped braces do not group
-    ("\\boxed{a\\\\}", "a\\\\"),                            # a LaTeX line break before the closing brace
-    ("\\boxed 5", None),                                    # no braces: not a box
-    ("\\boxed{3} and \\boxed 5", "3"),
-    ("\\boxed{}", ""),
-    ("\\boxed{a}}}", "a"),
-    ("\\boxed{\\boxed{7}}", "7"),
-    ("\\fbox{1}", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{2}", "2"),  # last box wins
+        ("\\boxed{1} then \\boxed{2", None),  # the last box is unclosed: a truncated answer
+        ("no box here", None),
+        ("", None),
+        ("\\boxed {x^{2}}", "x^{2}"),  # space before the brace
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces do not group
+        ("\\boxed{a\\\\}", "a\\\\"),  # a LaTeX line break before the closing brace
+        ("\\boxed 5", None),  # no braces: not a box
+        ("\\boxed{3} and \\boxed 5", "3"),
+        ("\\boxed{}", ""),
+        ("\\boxed{a}}}", "a"),
+        ("\\boxed{\\boxed{7}}", "7"),
+        ("\\fbox{1}", None),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
@@ -82,7 +85,9 @@ def test_extract_boxed_hostile_sizes():
     assert extract_boxed("\\boxed{" + "9" * 100_000 + "}") == "9" * 100_000
     assert extract_boxed("\\boxed{" + "{" * 100_000) is None
     assert extract_boxed("\\boxed{1}" * 20_000) == "1"
-    assert time.monotonic() - t < 5.0  # linear scans; seconds would mean something quadratic crept in
+    assert (
+        time.monotonic() - t < 5.0
+    )  # linear scans; seconds would mean something quadratic crept in
 
 
 # ---------------------------------------------------------------- verdicts (decided by hand)
@@ -90,7 +95,7 @@ CASES = [  # (response, gold, thinking, reward)
     ("\\boxed{0.5}", "\\frac{1}{2}", False, 1.0),
     ("\\boxed{\\frac{1}{2}}", "0.5", False, 1.0),
     ("\\boxed{\\dfrac12}", "\\frac{1}{2}", False, 1.0),
-    ("\\boxed{1,000}", "1000", False, 1.0),                # thousands separator
+    ("\\boxed{1,000}", "1000", False, 1.0),  # thousands separator
     ("\\boxed{1000}", "1,000", False, 1.0),
     ("\\boxed{42.0}", "42", False, 1.0),
     ("\\boxed{42}", "42.0", False, 1.0),
@@ -105,20 +110,40 @@ CASES = [  # (response, gold, thinking, reward)
     ("\\boxed{-42}", "42", False, 0.0),
     ("\\boxed{3.14159}", "\\pi", False, 0.0),
     ("\\boxed{\\frac{1}{3}}", "0.3", False, 0.0),
-    ("The answer is 42.", "42", False, 0.0),               # no box, no answer
-    ("\\boxed{42", "42", False, 0.0),                       # unclosed
+    ("The answer is 42.", "42", False, 0.0),  # no box, no answer
+    ("\\boxed{42", "42", False, 0.0),  # unclosed
     ("\\boxed{}", "42", False, 0.0),
     ("\\boxed{7}, no wait: \\boxed{8}", "8", False, 1.0),  # last box wins
     ("\\boxed{8}, no wait: \\boxed{7}", "8", False, 0.0),
-    ("\\boxed{1} and \\boxed{2}", "\\{1,2\\}", False, 0.0),  # math-verify alone would merge the boxes into {1,2}
+    (
+        "\\boxed{1} and \\boxed{2}",
+        "\\{1,2\\}",
+        False,
+        0.0,
+    ),  # math-verify alone would merge the boxes into {1,2}
     ("so \\boxed{12}", "The answer is \\boxed{12}.", False, 1.0),  # a gold with a box
     ("<think>maybe \\boxed{41}</think>The answer is \\boxed{42}", "42", True, 1.0),
-    ("<think>it is \\boxed{42}</think>The answer is \\boxed{41}", "42", True, 0.0),  # only after </think> counts
+    (
+        "<think>it is \\boxed{42}</think>The answer is \\boxed{41}",
+        "42",
+        True,
+        0.0,
+    ),  # only after </think> counts
     ("<think>it is \\boxed{42} and still thinking", "42", True, 0.0),  # never closed its thinking
-    ("\\boxed{42}", "42", True, 0.0),                       # no </think> at all
+    ("\\boxed{42}", "42", True, 0.0),  # no </think> at all
     ("<think>a</think>b</think>\\boxed{42}", "42", True, 1.0),  # the last </think> splits
-    ("<think>a</think>\\boxed{42}</think>", "42", True, 0.0),  # the box sits before the last </think>
-    ("<think>a</think>\\boxed{42}</think>", "42", False, 1.0),  # thinking off: the whole text counts
+    (
+        "<think>a</think>\\boxed{42}</think>",
+        "42",
+        True,
+        0.0,
+    ),  # the box sits before the last </think>
+    (
+        "<think>a</think>\\boxed{42}</think>",
+        "42",
+        False,
+        1.0,
+    ),  # thinking off: the whole text counts
     ("<think>\\boxed{41}</think>\\boxed{42}", "42", False, 1.0),
 ]
 
@@ -132,9 +157,12 @@ def test_math_rewards_batch_matches_table_and_grades_repeats_once():
     for thinking in (False, True):
         rows = [c for c in CASES if c[2] == thinking]
         assert math_rewards([r for r, *_ in rows], [g for _, g, *_ in rows], thinking=thinking) == [
-            e for *_, e in rows]
+            e for *_, e in rows
+        ]
     graded = reward.STATS["graded"]
-    out = math_rewards(["\\boxed{42}"] * 16 + ["\\boxed{41}"] * 15 + ["no box"], ["42"] * 32, thinking=False)
+    out = math_rewards(
+        ["\\boxed{42}"] * 16 + ["\\boxed{41}"] * 15 + ["no box"], ["42"] * 32, thinking=False
+    )
     assert out == [1.0] * 16 + [0.0] * 16
     assert reward.STATS["graded"] == graded + 2  # two distinct answers, two gradings
     assert math_rewards([], [], thinking=False) == []
@@ -156,8 +184,12 @@ HOSTILE = {
     "power tower": "\\boxed{9^{9^{9^{9}}}}",
     "100k-char box": "\\boxed{" + "9" * 100_000 + "}",
     "10k nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
-    "300 nested braces": "\\boxed{" + "{" * 300 + "1" + "}" * 300 + "}",  # under MAX_ANSWER_CHARS: a worker's
-    "400-term sum": "\\boxed{" + "+".join(["1"] * 400) + "}",              # problem, not the length cap's
+    "300 nested braces": "\\boxed{"
+    + "{" * 300
+    + "1"
+    + "}" * 300
+    + "}",  # under MAX_ANSWER_CHARS: a worker's
+    "400-term sum": "\\boxed{" + "+".join(["1"] * 400) + "}",  # problem, not the length cap's
     "unclosed 100k": "\\boxed{" + "{" * 100_000,
     "NUL bytes": "\\boxed{4\x002}\x00",
     "only NULs": "\x00" * 1000,
@@ -176,7 +208,9 @@ def test_hostile_output_scores_zero_in_time(name):
 
 
 def test_overrunning_worker_is_killed_and_replaced():
-    assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0  # a started worker on top of the pool
+    assert (
+        math_reward("\\boxed{1}", "1", thinking=False) == 1.0
+    )  # a started worker on top of the pool
     before, timeouts = worker_pids(), reward.STATS["timeout"]
     t = time.monotonic()
     # math-verify's alarm inside the worker is 1 s (its minimum), so our 0.5 s deadline lands first: a kill
@@ -195,7 +229,10 @@ def test_worker_that_died_idle_costs_no_wrong_verdict():
         os.kill(pid, signal.SIGKILL)  # as the OOM killer would
     assert wait_gone(pids, within=10) == set()
     timeouts = reward.STATS["timeout"]
-    assert math_rewards(["\\boxed{0.5}", "\\boxed{3}"], ["\\frac12", "4"], thinking=False) == [1.0, 0.0]
+    assert math_rewards(["\\boxed{0.5}", "\\boxed{3}"], ["\\frac12", "4"], thinking=False) == [
+        1.0,
+        0.0,
+    ]
     assert reward.STATS["timeout"] == timeouts
 
 
@@ -207,7 +244,9 @@ def test_eight_threads_at_once():
         try:
             order = rows[k:] + rows[:k]  # each thread in its own order
             if k == 0:  # one thread takes the batch path meanwhile
-                got = math_rewards([r for r, *_ in order], [g for _, g, *_ in order], thinking=False)
+                got = math_rewards(
+                    [r for r, *_ in order], [g for _, g, *_ in order], thinking=False
+                )
             else:
                 got = [math_reward(r, g, thinking=False) for r, g, *_ in order]
             results[k] = (got, [e for *_, e in order])
@@ -234,7 +273,9 @@ def test_pool_starts_light_and_close_reaps_every_worker():
     first_call = time.monotonic() - t
     assert math_reward("\\boxed{2}", "2", thinking=False) == 1.0
     assert len(worker_pids()) == 1  # sequential calls reuse the started worker
-    math_rewards([f"\\boxed{{{i}}}" for i in range(20)], [str(i) for i in range(20)], thinking=False)
+    math_rewards(
+        [f"\\boxed{{{i}}}" for i in range(20)], [str(i) for i in range(20)], thinking=False
+    )
     assert 1 <= len(worker_pids()) <= reward.WORKERS
     pids = worker_pids()
     reward.close()
@@ -261,8 +302,12 @@ if sys.argv[1].startswith("kill"):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,within", [("exit", 2.0), ("kill", 10.0), ("kill-busy", 15.0)])
 def test_no_worker_outlives_its_parent(mode, within):
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=ROOT), mode], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(root=ROOT), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "ready"
     pids = worker_pids(child.pid)
     assert pids

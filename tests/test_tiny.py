@@ -15,7 +15,11 @@ import data
 import reward
 import tiny
 
-N_PROMPTS, N_SAMPLES, TEMPERATURE = 200, 4, 1.0  # R0 estimate: 800 samples, standard error about 0.02
+N_PROMPTS, N_SAMPLES, TEMPERATURE = (
+    200,
+    4,
+    1.0,
+)  # R0 estimate: 800 samples, standard error about 0.02
 
 
 @pytest.fixture(scope="module")
@@ -25,29 +29,41 @@ def tok():
 
 def test_tokenizer_and_template(tok):
     text = "a+b=é \\boxed{3}"
-    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode())  # bytes are ids 0-255
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(
+        text.encode()
+    )  # bytes are ids 0-255
     assert tok.decode(tok(text)["input_ids"]) == text
-    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]) == [
-        256, 257, 258, 259, 260]
+    assert tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    ) == [256, 257, 258, 259, 260]
     msgs = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    ) == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_warm_start_example_masks(tok):
-    item = data.ArithItem(start=1, add=2, times=15)  # 15 additions, 150 thinking tokens: past any budget draw
+    item = data.ArithItem(
+        start=1, add=2, times=15
+    )  # 15 additions, 150 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
     text, phrase = tok.decode(ids), tiny.INTERRUPT_PHRASE
     prompt_len = ids.index(tok.convert_tokens_to_ids("<think>"))
     assert mask[:prompt_len] == [0] * prompt_len and mask[prompt_len] == 1
     assert text.endswith(f"{phrase}\n\n\\boxed{{31}}<|im_end|>")
     completion = tok.decode(ids[prompt_len:])
-    cut = completion.index(phrase) - len("<think>") + 1  # thinking tokens before the phrase: ASCII after <think>
+    cut = (
+        completion.index(phrase) - len("<think>") + 1
+    )  # thinking tokens before the phrase: ASCII after <think>
     assert data.ARITH_THINK_BUDGET[0] <= cut <= data.ARITH_THINK_BUDGET[1]
     n_phrase = len(tok(phrase, add_special_tokens=False)["input_ids"])
-    assert mask[prompt_len:] == [1] * cut + [0] * n_phrase + [1] * (len(ids) - prompt_len - cut - n_phrase)
+    assert mask[prompt_len:] == [1] * cut + [0] * n_phrase + [1] * (
+        len(ids) - prompt_len - cut - n_phrase
+    )
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=0.0)
-    assert tok.decode(ids[mask.index(1):]) == data.arith_solution(item) + "<|im_end|>" and all(mask[mask.index(1):])
+    assert tok.decode(ids[mask.index(1) :]) == data.arith_solution(item) + "<|im_end|>" and all(
+        mask[mask.index(1) :]
+    )
 
 
 def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
@@ -58,12 +74,16 @@ def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
         return 0.5
 
     monkeypatch.setattr(tiny, "warm_start", fake_warm_start)
-    monkeypatch.setattr(tiny, "TINY_CONFIG", dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1))
+    monkeypatch.setattr(
+        tiny, "TINY_CONFIG", dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    )
     p0 = tiny.build(str(tmp_path), seed=0)
     assert tiny.build(str(tmp_path), seed=0) == p0 and len(calls) == 1  # reused, not rebuilt
     assert tiny.build(str(tmp_path), seed=1) != p0 and len(calls) == 2  # the seed is in the key
     assert tiny.build(str(tmp_path), seed=0, force=True) == p0 and len(calls) == 3
-    assert sorted(os.listdir(tmp_path)) == sorted({os.path.basename(p0), f"tiny-{tiny.build_key(1)}"})  # no .tmp left
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        {os.path.basename(p0), f"tiny-{tiny.build_key(1)}"}
+    )  # no .tmp left
     monkeypatch.setattr(tiny, "WARM_START", dict(tiny.WARM_START, steps=1))
     assert tiny.build_key(0) != os.path.basename(p0)[5:]  # a setting is in the key
 
@@ -85,26 +105,52 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    prompts, _ = data.build_prompts([{"question": i.question, "answer": i.gold} for i in _heldout()], tok,
-                                    thinking=True, max_prompt_len=256, instruction=data.ARITH_INSTRUCTION)
-    llm = LLM(model=built, enforce_eager=True, gpu_memory_utilization=0.05, seed=0, max_model_len=512,
-              max_num_seqs=1024, dtype="float32")
+    prompts, _ = data.build_prompts(
+        [{"question": i.question, "answer": i.gold} for i in _heldout()],
+        tok,
+        thinking=True,
+        max_prompt_len=256,
+        instruction=data.ARITH_INSTRUCTION,
+    )
+    llm = LLM(
+        model=built,
+        enforce_eager=True,
+        gpu_memory_utilization=0.05,
+        seed=0,
+        max_model_len=512,
+        max_num_seqs=1024,
+        dtype="float32",
+    )
     try:
-        budget = data.ARITH_THINK_BUDGET[1] + 16  # the whole thinking budget plus an answer's room, no interruption
+        budget = (
+            data.ARITH_THINK_BUDGET[1] + 16
+        )  # the whole thinking budget plus an answer's room, no interruption
         inputs = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
-        sampled = llm.generate(inputs, SamplingParams(n=N_SAMPLES, temperature=TEMPERATURE, max_tokens=budget),
-                               use_tqdm=False)
-        greedy = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=budget, logprobs=0), use_tqdm=False)
+        sampled = llm.generate(
+            inputs,
+            SamplingParams(n=N_SAMPLES, temperature=TEMPERATURE, max_tokens=budget),
+            use_tqdm=False,
+        )
+        greedy = llm.generate(
+            inputs, SamplingParams(temperature=0.0, max_tokens=budget, logprobs=0), use_tqdm=False
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     golds = [p.gold for p in prompts]
-    rewards = reward.math_rewards([c.text for o in sampled for c in o.outputs],
-                                  [g for g in golds for _ in range(N_SAMPLES)], timeout=30.0)
+    rewards = reward.math_rewards(
+        [c.text for o in sampled for c in o.outputs],
+        [g for g in golds for _ in range(N_SAMPLES)],
+        timeout=30.0,
+    )
     r0 = sum(rewards) / (N_SAMPLES * len(prompts))
-    greedy_pass = sum(reward.math_rewards([o.outputs[0].text for o in greedy], golds, timeout=30.0)) / len(prompts)
+    greedy_pass = sum(
+        reward.math_rewards([o.outputs[0].text for o in greedy], golds, timeout=30.0)
+    ) / len(prompts)
     print(f"tiny R0 sampled at T={TEMPERATURE}: {r0:.3f}, greedy: {greedy_pass:.3f}")
     assert 0.1 <= r0 <= 0.5
-    assert greedy_pass >= r0 + 0.1  # mostly right, unsure at a few tokens: the room RL's sharpening fills
+    assert (
+        greedy_pass >= r0 + 0.1
+    )  # mostly right, unsure at a few tokens: the room RL's sharpening fills
 
     # transformers loads the same weights: its log-probs of vLLM's greedy tokens match vLLM's own
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
@@ -112,9 +158,13 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
         out = o.outputs[0]
         ids = torch.tensor([list(p.prompt_ids) + list(out.token_ids)])
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(p.prompt_ids) - 1:-1].float(), -1)
-        hf = logp.gather(-1, ids[0, len(p.prompt_ids):, None])[:, 0]
-        vl = torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)])
+            logp = torch.log_softmax(
+                model(input_ids=ids).logits[0, len(p.prompt_ids) - 1 : -1].float(), -1
+            )
+        hf = logp.gather(-1, ids[0, len(p.prompt_ids) :, None])[:, 0]
+        vl = torch.tensor(
+            [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        )
         assert torch.allclose(hf, vl, atol=1e-3), (hf - vl).abs().max()
         assert math.isclose(hf.sum().item(), vl.sum().item(), abs_tol=1e-2)
 

