@@ -6,15 +6,13 @@ A: ceiling (asymptotic pass rate), B: efficiency exponent, C_mid: compute at hal
 rate before RL. Pure: arrays in, numbers out. `python fit.py RUN_DIR ...` runs fit_cli.py.
 
 Where this departs from the paper, and why:
-1. method="fast" (default) is bounded least squares over A, B, C_mid (R0 <= A <= 1, B >= 0) from
-   every basin of a coarse scan with A in closed form: an SSE no worse than the A.5 grid's, far
-   faster, at any compute scale (A.5's C_mid grid suits GPU-hours in the thousands only).
+1. method="fast" (default): least squares (R0 <= A <= 1, B >= 0) from every basin of a coarse scan,
+   an SSE no worse than the A.5 grid's, far faster, at any compute scale (A.5's suits GPU-hours).
 2. The curve is always evaluated as expit(B (ln C - ln C_mid)): no power or exponential overflows.
    The grid's per-point curve_fit uses it too (the same function of B, the same start B = 1).
 3. The grid skips points where curve_fit fails, gives B <= 0 (PAPER.md 8.1: B > 0), or hands back
    its start with an infinite covariance; an optimum on the grid's edge is flagged not converged.
-4. R0 is held fixed (PAPER.md 8.3, [inferred]); fit_cli.py takes the step-0 eval (C = 0, outside
-   ln C) as R0 and does not fit it.
+4. R0 is held fixed (PAPER.md 8.3, [inferred]); fit_cli.py takes it from the step-0 eval.
 5. A fit must identify its ceiling (ours, issue 12): see _identify; a curve's left tail fits any A.
 6. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4).
 """
@@ -125,8 +123,8 @@ def _lsq(res, jac, starts, lo, hi):
     J, problems = best.jac, [f"optimizer stopped: {best.message}"] * (best.status <= 0)
     se = np.sqrt(np.diag(np.linalg.pinv(J.T @ J)) * 2 * best.cost / max(len(J) - J.shape[1], 1))
     sv = np.linalg.svd(J, compute_uv=False)
-    if sv[-1] <= RANK_TOL * sv[0]:
-        problems.append("singular Jacobian (infinite covariance): the data do not determine it")
+    if sv[-1] <= RANK_TOL * sv[0]:  # an infinite covariance
+        problems.append("singular Jacobian: the data do not determine the parameters")
     return best, problems, se
 
 
@@ -207,47 +205,50 @@ def _refit(res, jac, p0):
 
 
 def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
-    """Is A identified (ours, issue 12)? A's profile: the SSE of fixed-A refits (B, C_mid free) at
-    A = fit.A +- 0.025, +-0.05, then every 0.05 out to R0 and 1, each started from its neighbour's
-    solution nearer fit.A, and from _scan's best cell where that is better. A refit fits within the
-    noise if its SSE exceeds the least by under t^2 s^2, s^2 = SSE / (n - 3), t Student's 97.5%
-    point on n - 3 degrees of freedom: F(1, n - 3) (4.67 at n = 16; chi^2(1)'s 3.84 ignores that
-    s^2 is estimated too). Those A form the 95% profile interval (Bates & Watts 1988, §6.1):
-    A_interval, ends interpolated in t (near-linear in A). A is not identified (converged=False) if
-    one lies A_CLEAR = 0.05 or more from fit.A: issue 12 asks a half-run A within 0.05 of the whole
-    run's. Not the standard error: it is local; a left tail fools it (A = 0.28 +- 0.02, yet any A
-    in 0.3-1 fits)."""
+    """Is A identified (ours, issue 12)? A's profile: the least SSE with A fixed (B, C_mid free) at
+    fit.A +- 0.025, +-0.05, then every 0.05 out to R0 and 1, each refit from its neighbour's
+    solution (and _scan's best cell if better). An A fits within the noise if its SSE exceeds the
+    least by under t^2 s^2, s^2 = SSE / (n - 3), t Student's 97.5% point on n - 3 degrees of freedom
+    (t^2 = F(1, n - 3): 4.67 at n = 16; chi^2(1)'s 3.84 ignores that s^2 is estimated). These A form
+    the 95% profile interval (Bates & Watts 1988, §6.1), A_interval, its ends found by secant steps
+    in the profile t. A is not identified (converged=False) if one lies A_CLEAR = 0.05 or more from
+    fit.A (issue 12: a half-run A within 0.05 of the whole run's). Not the standard error: a left
+    tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits)."""
     x = np.log(C)
     u, r, R0 = x - x.mean(), R - fit.R0, fit.R0
     Bs, ms, sr, ss = _scan(u, r)
+
+    def profile(A, p):  # (least SSE, its (B, m)) at this A, from p or _scan's best cell if better
+        res, jac = _model(u, R, R0, A)
+        U = r @ r - 2 * (A - R0) * sr + (A - R0) ** 2 * ss  # _scan's SSE at this A
+        i, j = np.unravel_index(U.argmin(), U.shape)
+        out = _refit(res, jac, (Bs[i], ms[j]) if p is None else p)
+        if U[i, j] < 2 * out.cost:  # continuation stuck in a worse basin
+            out = min(out, _refit(res, jac, (Bs[i], ms[j])), key=lambda o: o.cost)
+        return 2 * out.cost, out.x
+
     steps = np.r_[0.025, np.arange(A_CLEAR, 1, A_CLEAR)]
-    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0]
-    down = fit.A - steps[fit.A - steps > R0 + 1e-3]  # A -> R0: a curve of no height
+    up, down = [*(fit.A + steps)[fit.A + steps < 1], 1.0], fit.A - steps[fit.A - steps > R0 + 1e-3]
     p_hat = (fit.B, math.log(fit.C_mid) - x.mean()) if 0 < fit.C_mid < math.inf else None
-    prof = [(fit.A, fit.sse)]
+    prof = {fit.A: (fit.sse, p_hat)}  # A -> (SSE, (B, m))
     for side in (up, down):
-        p = p_hat
-        for A in side:
-            res, jac = _model(u, R, R0, A)
-            U = r @ r - 2 * (A - R0) * sr + (A - R0) ** 2 * ss  # _scan's SSE at this A
-            i, j = np.unravel_index(U.argmin(), U.shape)
-            out = _refit(res, jac, (Bs[i], ms[j]) if p is None else p)
-            if U[i, j] < 2 * out.cost:  # continuation stuck in a worse basin: the cell's is better
-                out = min(out, _refit(res, jac, (Bs[i], ms[j])), key=lambda o: o.cost)
-            p = out.x
-            prof.append((A, 2 * out.cost))
-    As, sse = np.array(sorted(prof)).T
-    dof, best = len(C) - 3, sse.min()
-    t = np.sqrt((sse - best) / max(stdtrit(dof, 0.975) ** 2 * best / dof, 1e-300))  # 1: the limit
-    inside = np.flatnonzero(t < 1)
-    lo, hi = inside[0], inside[-1]
-    lo = As[lo] if lo == 0 else np.interp(1, t[[lo, lo - 1]], As[[lo, lo - 1]])
-    hi = As[hi] if hi == len(As) - 1 else np.interp(1, t[[hi, hi + 1]], As[[hi, hi + 1]])
+        for A, prev in zip(side, [fit.A, *side], strict=False):
+            prof[A] = profile(A, prof[prev][1])
+    dof = len(C) - 3
+    for secant in (True, True, False):  # interpolate each end in t, refit there; twice
+        As, sse = np.array([(A, prof[A][0]) for A in sorted(prof)]).T
+        t = np.sqrt((sse - sse.min()) / max(stdtrit(dof, 0.975) ** 2 * sse.min() / dof, 1e-300))
+        inside, ends = np.flatnonzero(t < 1), []
+        for k, k_out in ((inside[0], inside[0] - 1), (inside[-1], inside[-1] + 1)):
+            bracket = 0 <= k_out < len(As)  # else the end is the profile's last point: a bound
+            ends.append(float(np.interp(1, t[[k, k_out]], As[[k, k_out]]) if bracket else As[k]))
+            if secant and bracket:
+                prof[ends[-1]] = profile(ends[-1], prof[As[k]][1])
     if np.any((t < 1) & (np.abs(As - fit.A) > A_CLEAR - 1e-9)):
-        why = f"A not identified: fixed-A refits with A in [{lo:.3f}, {hi:.3f}] fit within the "
-        why += f"noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
+        why = f"A not identified: fixed-A refits with A in [{ends[0]:.3f}, {ends[1]:.3f}] fit "
+        why += f"within the noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
         fit = replace(fit, converged=False, message="; ".join(filter(None, (fit.message, why))))
-    return replace(fit, A_interval=(float(lo), float(hi)))
+    return replace(fit, A_interval=tuple(ends))
 
 
 def fit_sigmoid(

@@ -23,8 +23,8 @@ def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
     """train.py's metrics.jsonl, one JSON object per line; lines without `y` (no eval ran) are
     skipped, and so is a last line that is not JSON (cut off by a kill: checkpoint.truncate_log
     drops it too). Returns float64 (C, R) sorted by C and a note on a line skipped so ("" if
-    none). Raises ValueError naming the path and line for a bad line before the last or a `y`
-    without `x`, and if no line has `y`; OSError if the file cannot be read."""
+    none). Raises ValueError naming the path and line for a bad line before the last, a `y` without
+    `x` or a value that is not a number, and if no line has `y`; OSError if it cannot be read."""
     with open(path) as f:
         lines = f.read().splitlines()
     last = max([k for k, line in enumerate(lines, 1) if line.strip()], default=0)
@@ -40,7 +40,10 @@ def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
             rec, note = {}, f"{path}:{k}: last line cut off (not JSON), skipped"
         if y in rec and x not in rec:
             raise ValueError(f"{path}:{k}: has {y!r} but no {x!r}")
-        pts += [(float(rec[x]), float(rec[y]))] if y in rec else []
+        try:
+            pts += [(float(rec[x]), float(rec[y]))] if y in rec else []
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}:{k}: {x!r} or {y!r} is not a number") from None
     if not pts:
         raise ValueError(f"{path}: no line has {y!r}")
     return (*np.array(sorted(pts)).T, note)
@@ -143,10 +146,11 @@ def main(args: Args):
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         _usage(f"--out {args.out}: no folder {folder}")
+    if args.n_boot < 0:
+        _usage(f"--n-boot {args.n_boot}: must be >= 0")
     runs, fit_pts, notes = [], [], []
-    table = [
-        "run|n|R0|A|95% CI|profile 95%|paper|B|95% CI|C_mid|95% CI|SSE|MAE tail (n)".split("|")
-    ]
+    table = [["run", "n", "R0", "A", "95% CI", "profile 95%", "paper", "B", "95% CI", "C_mid"]]
+    table[0] += ["95% CI", "SSE", "MAE tail (n)"]
 
     def ci(v, f="{:.3f}".format):
         return f"[{f(v[0])}, {f(v[1])}]"
@@ -154,8 +158,8 @@ def main(args: Args):
     for path, name in zip(paths, run_names(paths), strict=True):
         try:
             C, R, note = load_metrics(path, args.x, args.y)
-        except (OSError, ValueError) as e:  # both name the path
-            raise SystemExit(f"fit.py: {e}") from None
+        except (OSError, ValueError) as e:  # most name the path already: print it once
+            raise SystemExit(f"fit.py: {e}" if path in str(e) else f"fit.py: {path}: {e}") from None
         c0 = C[0]
         if args.r0 is None:  # R0 = the eval at the smallest compute (the step-0 eval, C = 0): it
             R0, keep = float(R[0]), C > c0  # anchors the curve there, so it is no fit point
@@ -177,14 +181,13 @@ def main(args: Args):
         runs.append((name, C, R, fit))
         fit_pts.append((C[head], R[head], R0))
         table.append([name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", ci(bs.A, "{:.4f}".format)])
+        table[-1] += [ci(fit.A_interval), f"+-{A_MARGIN}", f"{fit.B:.3f}", ci(bs.B)]
         table[-1] += [
-            ci(fit.A_interval),
-            f"+-{A_MARGIN}",
-            f"{fit.B:.3f}",
-            ci(bs.B),
             _num(fit.C_mid),
+            ci(bs.C_mid, _num),
+            f"{fit.sse:.2e}",
+            f"{mae:.4f} ({n_tail})",
         ]
-        table[-1] += [ci(bs.C_mid, _num), f"{fit.sse:.2e}", f"{mae:.4f} ({n_tail})"]
         for bad, msg in (
             (note, note),
             ((~keep).sum() > 1, f"{(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted"),
