@@ -1,10 +1,10 @@
 """fit.py's command line and Figure 1: train.py's metrics.jsonl files in, a table and a plot out.
 
-`python fit.py runs/a/metrics.jsonl runs/b --c-min 1500 --fit-until 8000` (fit.py stays the command;
-it runs `main` here). A run directory stands for its metrics.jsonl; each run is fitted with fit.py
+`python fit.py runs/a/metrics.jsonl runs/b --c-min 1500 --fit-until 8000`: fit.py stays the command
+and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
 (R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
 Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
-prints and draws.
+prints and draws. train.py's final_fit draws fit.png with `plot`.
 """
 
 import json
