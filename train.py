@@ -256,8 +256,10 @@ def curve_fit(history: list[dict], steps: int) -> dict:
     except (ValueError, RuntimeError) as e:
         return {"fit/converged": 0.0, "fit/error": str(e)}
     c_end = history[-1]["gpu_hours"] * steps / max(history[-1]["step"], 1)
-    return {
+    return {  # converged = 0 also when A is not identified (fit.py's rule); A_lo, A_hi: its profile
         "fit/A": f.A,
+        "fit/A_lo": f.A_interval[0],
+        "fit/A_hi": f.A_interval[1],
         "fit/B": f.B,
         "fit/C_mid": f.C_mid,
         "fit/converged": float(f.converged),
@@ -273,8 +275,10 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     R0, half = history[0]["eval/pass_rate"], C[-1] / 2 if len(C) else 0.0
     out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
     try:
+        import fit_cli  # the plot lives with fit.py's command line
+
         f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
-        fit.plot(
+        fit_cli.plot(
             [(os.path.basename(run_dir), C, R, f)],
             os.path.join(run_dir, "fit.png"),
             xlabel="gpu_hours",
@@ -283,6 +287,7 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         )
         out.update(
             A=f.A,
+            A_interval=f.A_interval,
             B=f.B,
             C_mid=f.C_mid,
             converged=f.converged,

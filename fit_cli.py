@@ -1,0 +1,215 @@
+"""fit.py's command line and Figure 1: train.py's metrics.jsonl files in, a table and a plot out.
+
+`python fit.py runs/a/metrics.jsonl runs/b --c-min 1500 --fit-until 8000`: fit.py stays the command
+and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
+(R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
+Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
+prints and draws. train.py's final_fit draws fit.png with `plot`.
+"""
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import tyro
+
+from fit import A_MARGIN, Method, bootstrap, compare, extrapolate, fit_sigmoid
+
+
+def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
+    """train.py's metrics.jsonl, one JSON object per line; lines without `y` (no eval ran) are
+    skipped, and so is a last line that is not JSON (cut off by a kill: checkpoint.truncate_log
+    drops it too). Returns float64 (C, R) sorted by C and a note on a line skipped so ("" if
+    none). Raises ValueError naming the path and line for a bad line before the last, a `y` without
+    `x` or a value that is not a number, and if no line has `y`; OSError if it cannot be read."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    last = max([k for k, line in enumerate(lines, 1) if line.strip()], default=0)
+    pts, note = [], ""
+    for k, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line) if line.strip() else {}
+            if not isinstance(rec, dict):
+                raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+        except ValueError as e:  # json.JSONDecodeError is one
+            if k < last:
+                raise ValueError(f"{path}:{k}: not a JSON object ({e})") from None
+            rec, note = {}, f"{path}:{k}: last line cut off (not JSON), skipped"
+        if y in rec and x not in rec:
+            raise ValueError(f"{path}:{k}: has {y!r} but no {x!r}")
+        try:
+            pts += [(float(rec[x]), float(rec[y]))] if y in rec else []
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}:{k}: {x!r} or {y!r} is not a number") from None
+    if not pts:
+        raise ValueError(f"{path}: no line has {y!r}")
+    return (*np.array(sorted(pts)).T, note)
+
+
+def _num(v):
+    return f"{v:.0f}" if 10 <= abs(v) < 1e6 else f"{v:.3g}"
+
+
+def plot(runs, out, *, xlabel, ylabel, c_min=0.0, fit_until=None):
+    """The paper's Figure 1, one colour per run: fitted points (dots), points below c_min (hollow),
+    held-out points (crosses), solid curve over the fitted range, dashed extrapolation, dotted line
+    at A. runs: [(name, C, R, SigmoidFit)] with C, R 1-D arrays. Writes the image to `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # to a file, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, (name, C, R, fit) in enumerate(runs):
+        col, end = f"C{i}", fit_until or C.max()
+        used, held = (C >= c_min) & (C <= end), C > end
+        ax.scatter(C[used], R[used], s=16, color=col, alpha=0.8)
+        ax.scatter(C[C < c_min], R[C < c_min], s=16, facecolors="none", edgecolors=col)
+        ax.scatter(C[held], R[held], s=30, marker="x", color=col, alpha=0.6)
+        label = f"{name}: A={fit.A:.3f}  B={fit.B:.2f}  C_mid={_num(fit.C_mid)}"
+        g = np.geomspace(C[used].min(), end, 200)
+        ax.plot(g, fit.predict(g), color=col, lw=2, label=label + " (!)" * (not fit.converged))
+        if held.any():
+            g = np.geomspace(end, C.max() * 1.15, 100)
+            ax.plot(g, fit.predict(g), "--", color=col, lw=2)
+        ax.axhline(fit.A, color=col, ls=":", lw=1)
+    if fit_until:
+        ax.axvline(fit_until, color="grey", lw=0.8, ls="-.", label=f"fit until {fit_until:g}")
+    ax.set(
+        xscale="log", xlabel=xlabel, ylabel=ylabel, title="R = R0 + (A - R0) / (1 + (C_mid/C)^B)"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+
+
+def run_names(paths):
+    """A short, distinct name per metrics.jsonl: its folder's (train.py's run directory), else the
+    fewest trailing path components, file stem included, that tell it from the others. Raises
+    SystemExit(2) for a file given twice."""
+    parts = [os.path.splitext(os.path.abspath(p))[0].split(os.sep) for p in paths]
+    name = lambda p, k: p[-2] if k == 1 else "/".join(p[-k:])
+    names = []
+    for i, p in enumerate(parts):
+        others = parts[:i] + parts[i + 1 :]
+        ks = [k for k in range(1, len(p) + 1) if all(name(p, k) != name(q, k) for q in others)]
+        if not ks:
+            _usage(f"{paths[i]} given twice")
+        names.append(name(p, ks[0]))
+    return names
+
+
+@dataclass
+class Args:
+    """Fits Eq. 1 to each run's eval pass rate against compute, prints a table and writes a plot."""
+
+    paths: tyro.conf.Positional[list[str]]
+    """metrics.jsonl files or run directories (DIR/metrics.jsonl), one per run"""
+    x: str = "gpu_hours"
+    """compute column: any logged column (gpu_hours, tokens, step)"""
+    y: str = "eval/pass_rate"
+    """metric column; lines without it (no eval ran) are skipped"""
+    c_min: float = 0.0
+    """drop points below this compute before fitting (paper: 1500 GPU-hours)"""
+    fit_until: float | None = None
+    """fit on C <= this, report the mean absolute error of the prediction beyond it"""
+    r0: float | None = None
+    """R0; default: the eval at the smallest compute (step 0), which is then not a fit point"""
+    method: Method = "fast"
+    """fast (default) or the paper's A.5 grid (GPU-hour scale only)"""
+    n_boot: int = 200
+    """bootstrap resamples for the 95% intervals (0: none)"""
+    seed: int = 0
+    out: str = "fit.png"
+    """the plot; its folder must exist"""
+
+
+def _usage(msg):
+    print(f"fit.py: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(args: Args):
+    """The CLI. Exits 2 on a usage error, found before any work (no path, a missing file, a missing
+    --out folder), 1 when a file cannot be read or fitted or a fit did not converge."""
+    if not args.paths:
+        _usage("no run given; usage: python fit.py RUN_DIR[/metrics.jsonl] ... [--fit-until X]")
+    paths = [os.path.join(p, "metrics.jsonl") if os.path.isdir(p) else p for p in args.paths]
+    for p in paths:
+        if not os.path.isfile(p):
+            _usage(f"{p}: no such file")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        _usage(f"--out {args.out}: no folder {folder}")
+    if args.n_boot < 0:
+        _usage(f"--n-boot {args.n_boot}: must be >= 0")
+    runs, fit_pts, notes = [], [], []
+    table = [["run", "n", "R0", "A", "95% CI", "profile 95%", "paper", "B", "95% CI", "C_mid"]]
+    table[0] += ["95% CI", "SSE", "MAE tail (n)"]
+
+    def ci(v, f="{:.3f}".format):
+        return f"[{f(v[0])}, {f(v[1])}]"
+
+    for path, name in zip(paths, run_names(paths), strict=True):
+        try:
+            C, R, note = load_metrics(path, args.x, args.y)
+        except (OSError, ValueError) as e:  # most name the path already: print it once
+            raise SystemExit(f"fit.py: {e}" if path in str(e) else f"fit.py: {path}: {e}") from None
+        c0 = C[0]
+        if args.r0 is None:  # R0 = the eval at the smallest compute (the step-0 eval, C = 0): it
+            R0, keep = float(R[0]), C > c0  # anchors the curve there, so it is no fit point
+        else:
+            R0, keep = args.r0, C > 0  # C = 0 is outside ln C
+        C, R = C[keep], R[keep]
+        head = C <= (math.inf if args.fit_until is None else args.fit_until)
+        kw = dict(c_min=args.c_min, method=args.method)
+        try:
+            if args.fit_until is None:
+                fit, mae, n_tail = fit_sigmoid(C, R, R0, **kw), math.nan, 0
+            else:
+                fit, mae, n_tail = extrapolate(C, R, R0, fit_until=args.fit_until, **kw)
+            bs = bootstrap(
+                fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed
+            )
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"fit.py: {path}: {e}") from None
+        runs.append((name, C, R, fit))
+        fit_pts.append((C[head], R[head], R0))
+        table.append([name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", ci(bs.A, "{:.4f}".format)])
+        table[-1] += [ci(fit.A_interval), f"+-{A_MARGIN}", f"{fit.B:.3f}", ci(bs.B)]
+        table[-1] += [
+            _num(fit.C_mid),
+            ci(bs.C_mid, _num),
+            f"{fit.sse:.2e}",
+            f"{mae:.4f} ({n_tail})",
+        ]
+        for bad, msg in (
+            (note, note),
+            ((~keep).sum() > 1, f"{(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted"),
+            (bs.n_failed, f"{bs.n_failed}/{args.n_boot} bootstrap refits failed or not converged"),
+            (not fit.converged, f"NOT CONVERGED: {fit.message}"),
+        ):
+            notes += [f"{name}: {msg}"] * bool(bad)
+    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
+    if len(fit_pts) >= 2:
+        cmp = compare(fit_pts, c_min=args.c_min)
+        shared = ""
+        if cmp.refits is not None:
+            Bs = (f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
+            shared = f" (B at shared A: {', '.join(Bs)})"
+        notes.insert(0, f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best")
+    plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)
+    print("\n".join(notes + [f"wrote {args.out}"]))
+    if any(not f.converged for *_, f in runs):
+        raise SystemExit("fit.py: a fit did not converge (see above): do not trust its parameters")
+
+
+def cli():
+    """`python fit.py ...`: fit.py's entry point calls this."""
+    main(tyro.cli(Args))
