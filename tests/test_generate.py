@@ -127,16 +127,18 @@ def test_versions_from_spans():
 
 def test_weight_transfer_backend_choice():
     pick = generate.weight_transfer_backend
-    assert pick("auto", cuda=False, vllm_version="0.32.0") == "disk"
-    assert pick("auto", cuda=True, vllm_version="0.32.3") == "nccl"
-    assert pick("auto", cuda=True, vllm_version="0.33.0") == "disk"  # unchecked vLLM: the disk path
-    assert pick("disk", cuda=True, vllm_version="0.32.0") == "disk"
-    assert pick("nccl", cuda=True, vllm_version="0.32.0") == "nccl"
-    for cuda, version in ((False, "0.32.0"), (True, "0.31.1")):
-        with pytest.raises(ValueError, match="needs CUDA and vLLM 0.32"):
-            pick("nccl", cuda=cuda, vllm_version=version)
+    ok = dict(cuda=True, dedicated=True, vllm_version="0.32.3")
+    assert pick("auto", **ok) == "nccl"  # vLLM on GPUs of its own: NCCL
+    assert pick("auto", **{**ok, "cuda": False}) == "disk"
+    assert pick("auto", **{**ok, "dedicated": False}) == "disk"  # a shared GPU: never build NCCL
+    assert pick("auto", **{**ok, "vllm_version": "0.33.0"}) == "disk"  # unchecked vLLM: the disk path
+    assert pick("disk", **ok) == "disk"
+    assert pick("nccl", **ok) == "nccl"
+    for bad in ({"cuda": False}, {"dedicated": False}, {"vllm_version": "0.31.1"}):
+        with pytest.raises(ValueError, match="needs CUDA, generator GPUs no trainer rank uses"):
+            pick("nccl", **{**ok, **bad})
     with pytest.raises(ValueError, match="weight_transfer must be"):
-        pick("ray", cuda=True)
+        pick("ray", cuda=True, dedicated=True)
 
 
 def test_engine_args_rl_settings():
