@@ -46,7 +46,8 @@ def export_weights(policy: torch.nn.Module, out_dir: str | None, dtype: torch.dt
     sd = {}
     for name, t in sampler_weights(policy, dtype):
         if out_dir is not None:
-            sd[name] = t.to("cpu", copy=True).contiguous()
+            # no copy on CPU: full_tensor() is a fresh tensor, and a plain parameter is only read until saved
+            sd[name] = t.to("cpu").contiguous()
     if out_dir is not None:
         save_file(sd, os.path.join(out_dir, "model.safetensors"))
 
