@@ -512,6 +512,16 @@ class Sampler:
             )
         return _SyncClient(self, loop)
 
+    @property
+    def kv_capacity(self) -> int:
+        """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config after start
+        (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many never preempt one another."""
+        config = self.engine.vllm_config
+        blocks = (
+            config.cache_config.num_gpu_blocks or 0
+        ) // config.parallel_config.data_parallel_size
+        return blocks * config.cache_config.block_size // self.max_model_len
+
     def pop_stats(self) -> dict[str, float]:
         """Since the last call (then reset; any thread): gen/completions, gen/interrupt_rate (share given the phrase),
         gen/truncation_rate (share whose answer hit its budget; paper A.15: watch it as an early warning)."""

@@ -542,6 +542,15 @@ def main(args: Args) -> None:
             f"{P * args.group_size} rollouts per step | recipe {args.recipe} | weights via {backend}",
             flush=True,
         )
+        if (
+            pipe.sampler.kv_capacity < plan.max_num_seqs
+        ):  # the plan estimated it; vLLM has now measured
+            print(
+                f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
+                f"{args.max_model_len} tokens per engine, fewer than max_num_seqs {plan.max_num_seqs}: "
+                f"long rollouts may preempt one another",
+                flush=True,
+            )
     push_weights = weight_pusher(policy, pipe, backend, gen_dtype, plan.tp * plan.dp)
     if args.wandb_project and master:
         import wandb

@@ -524,3 +524,15 @@ def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
     by_nccl_path = run(s.generate(PROMPT, **greedy))[0].completion_ids
     run(s.update_weights(model_dir))  # the disk path, same weights
     assert run(s.generate(PROMPT, **greedy))[0].completion_ids == by_nccl_path
+
+
+@pytest.mark.vllm
+def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
+    """vLLM's KV cache after start holds what placement.py estimates before start (conftest engine: 0.25 GiB,
+    fp32, 2 layers x 1 KV head of 32, max_model_len 1024)."""
+    import placement
+
+    from_config = placement.Shape.from_config(tiny.model_config(tiny.build_tokenizer()))
+    per_token = placement.kv_bytes_per_token(from_config, dtype_bytes=4)
+    assert per_token == 2 * 2 * 1 * 32 * 4  # K and V x layers x KV heads x head_dim x fp32
+    assert vllm_engine.sampler.kv_capacity == 2**28 // per_token // 1024 == 512
