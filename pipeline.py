@@ -63,10 +63,11 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
 def weights_root(
     weights_bytes: int, fallback: str | None, shm: str = "/dev/shm", free_bytes=None
 ) -> str | None:
-    """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and has room for
-    VERSIONS_ALIVE versions of `weights_bytes` each (parameters x the sampler dtype's bytes), else `fallback` (the
-    run directory; None: the system temp dir). Containers often give /dev/shm 64 MB, an 8B model needs 49 GB.
-    free_bytes(path) -> bytes free there (default: shutil.disk_usage), injectable for tests."""
+    """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and
+    has room for VERSIONS_ALIVE versions of `weights_bytes` each (parameters x the sampler dtype's
+    bytes), else `fallback` (the run directory; None: the system temp dir). Containers often give
+    /dev/shm 64 MB, an 8B model needs 49 GB. free_bytes(path) -> bytes free there (default:
+    shutil.disk_usage), injectable for tests."""
     free_bytes = free_bytes or (lambda path: shutil.disk_usage(path).free)
     if os.path.isdir(shm) and free_bytes(shm) >= VERSIONS_ALIVE * weights_bytes:
         return shm
@@ -103,8 +104,9 @@ class Pipeline:
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
     version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
     floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
-    version: trainer version of the start weights. weights_bytes: one weight version's size on disk (parameters x
-    the sampler dtype's bytes) and spill_dir: where versions go when /dev/shm lacks room (`weights_root`).
+    version: trainer version of the start weights. weights_bytes: one weight version's size on disk
+    (parameters x the sampler dtype's bytes) and spill_dir: where versions go when /dev/shm lacks
+    room (`weights_root`).
     Raises ValueError on bad settings, the sampler's start errors.
     """
 
@@ -305,19 +307,22 @@ class Pipeline:
             self._poke(self._publish_event)
 
     def releases(self) -> bool:
-        """Would a publish now reach the sampler at once? Always under PipelineRL; under PPO-off-policy-k once the
-        round's k batches are consumed. The NCCL path asks first: every trainer rank must join its send."""
+        """Would a publish now reach the sampler at once? Always under PipelineRL; under
+        PPO-off-policy-k once the round's k batches are consumed. The NCCL path asks first: every
+        trainer rank must join its send."""
         with self._cv:
             return self.mode == "pipeline" or self._round_consumed >= self.k
 
     def publish_by(self, version: int, send) -> bool:
-        """`publish` for the NCCL path: hand the sampler trainer version `version` through `send()`, a blocking call
-        that loads it into the running engine (generate.Sampler.sync_client: pause, receive the broadcast, bump the
-        sampler's version, resume), with the same bookkeeping: the sampler-to-trainer version map is set before the
-        load, and the version is released as `publish` would (`releases()`); one not released (PPO-off-policy-k
-        mid-round) is only recorded, never sent, as a superseded directory is never loaded. Returns whether it
-        was sent. Raises ValueError unless `version` exceeds every earlier one, the producer's exception if it
-        failed, RuntimeError if the sampler did not move to its next version, and send's errors."""
+        """`publish` for the NCCL path: hand the sampler trainer version `version` through `send()`,
+        a blocking call that loads it into the running engine (generate.Sampler.sync_client: pause,
+        receive the broadcast, bump the sampler's version, resume), with the same bookkeeping: the
+        sampler-to-trainer version map is set before the load, and the version is released as
+        `publish` would (`releases()`); one not released (PPO-off-policy-k mid-round) is only
+        recorded, never sent, as a superseded directory is never loaded. Returns whether it was
+        sent. Raises ValueError unless `version` exceeds every earlier one, the producer's exception
+        if it failed, RuntimeError if the sampler did not move to its next version, and send's
+        errors."""
         with self._cv:
             self._check()
             if version <= self._published:

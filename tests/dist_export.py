@@ -3,10 +3,10 @@
 
     torchrun --nproc_per_node N tests/dist_export.py OUT_DIR MODEL_DIR...
 
-For each model i, writes OUT_DIR/i/{float32,bfloat16}/model.safetensors with checkpoint.export_weights, and
-rank 0 saves the old export (the full fp32 state dict gathered to the CPU, then cast) to OUT_DIR/i/old.pt.
-Every rank also runs vLLM's own check of the NCCL weight source (metadata against iteration, as its NCCL
-sender does before broadcasting).
+For each model i, writes OUT_DIR/i/{float32,bfloat16}/model.safetensors with
+checkpoint.export_weights, and rank 0 saves the old export (the full fp32 state dict gathered to the
+CPU, then cast) to OUT_DIR/i/old.pt. Every rank also runs vLLM's own check of the NCCL weight source
+(metadata against iteration, as its NCCL sender does before broadcasting).
 """
 
 import os

@@ -1,8 +1,9 @@
-"""checkpoint.py's weight export for the sampler: gathered one parameter at a time and cast to the sampler dtype
-before leaving its device, it writes exactly what the old export (the whole fp32 state dict gathered to the CPU,
-then cast) wrote: bit for bit in float32 and in bfloat16 (a cast is elementwise, so cast-then-gather equals
-gather-then-cast), on 1 and 2 gloo ranks, for a tied head (saved once) and an untied one, with a layer that
-2 ranks shard unevenly. vLLM's own check of the NCCL weight source (metadata against iteration) passes too."""
+"""checkpoint.py's weight export for the sampler: gathered one parameter at a time and cast to the
+sampler dtype before leaving its device, it writes exactly what the old export (the whole fp32 state
+dict gathered to the CPU, then cast) wrote: bit for bit in float32 and in bfloat16 (a cast is
+elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks, for a tied head
+(saved once) and an untied one, with a layer that 2 ranks shard unevenly. vLLM's own check of the
+NCCL weight source (metadata against iteration) passes too."""
 
 import os
 import subprocess

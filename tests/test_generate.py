@@ -435,7 +435,8 @@ def test_nccl_path_pure_parts(vllm_engine):
 
 # ---- the NCCL path's names and tensors, through vLLM's own loader ----
 
-VLLM_LAYER = [  # vLLM 0.32 Qwen3 (qwen3.py / qwen2.py): q/k/v stacked into qkv_proj, gate/up into gate_up_proj
+# vLLM 0.32 Qwen3 (qwen3.py / qwen2.py): q/k/v stacked into qkv_proj, gate/up into gate_up_proj
+VLLM_LAYER = [
     "self_attn.qkv_proj.weight",
     "self_attn.o_proj.weight",
     "self_attn.q_norm.weight",
@@ -448,8 +449,8 @@ VLLM_LAYER = [  # vLLM 0.32 Qwen3 (qwen3.py / qwen2.py): q/k/v stacked into qkv_
 
 
 def vllm_names(layers, tied):
-    """The vLLM Qwen3 model's parameter names, written out from its model code (a tied head is listed once, as
-    the embedding: named_parameters() skips a shared tensor's second name)."""
+    """The vLLM Qwen3 model's parameter names, written out from its model code (a tied head is
+    listed once, as the embedding: named_parameters() skips a shared tensor's second name)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"} | (
         set() if tied else {"lm_head.weight"}
     )
@@ -495,10 +496,10 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
 
 @pytest.mark.vllm
 def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
-    """The (name, tensor) pairs the NCCL sender would broadcast, from a train.Policy, go through the CPU engine's
-    loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights): the engine's own parameter
-    names are exactly what they map onto, and afterwards its log-probs are the new model's, as after a disk
-    reload of the same weights (tied head included)."""
+    """The (name, tensor) pairs the NCCL sender would broadcast, from a train.Policy, go through the
+    CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights): the
+    engine's own parameter names are exactly what they map onto, and afterwards its log-probs are
+    the new model's, as after a disk reload of the same weights (tied head included)."""
     import checkpoint
     import train
 
@@ -528,8 +529,8 @@ def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
 
 @pytest.mark.vllm
 def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
-    """vLLM's KV cache after start holds what placement.py estimates before start (conftest engine: 0.25 GiB,
-    fp32, 2 layers x 1 KV head of 32, max_model_len 1024)."""
+    """vLLM's KV cache after start holds what placement.py estimates before start (conftest engine:
+    0.25 GiB, fp32, 2 layers x 1 KV head of 32, max_model_len 1024)."""
     import placement
 
     from_config = placement.Shape.from_config(tiny.model_config(tiny.build_tokenizer()))

@@ -517,8 +517,8 @@ def test_pipeline_writes_weights_into_the_spill_dir_when_they_do_not_fit(loop, t
 
 
 class VersionedSampler:
-    """Stands in for generate.Sampler: every completion's tokens carry the sampler's current version; `swap`
-    plays the engine side of an NCCL update (pause, load, version + 1, resume)."""
+    """Stands in for generate.Sampler: every completion's tokens carry the sampler's current
+    version; `swap` plays the engine side of an NCCL update (pause, load, version + 1, resume)."""
 
     def __init__(self):
         self.version, self.swaps = 0, 0
@@ -553,7 +553,7 @@ def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
         sent = []
         for v in range(4):
             batch = pipe.get_batch(v, timeout=30)
-            # trainer versions, whatever the sampler's own count: 0..k-1 behind under PPO, 0 under k = 0
+            # trainer versions, whatever the sampler's count: 0..k-1 behind under PPO, 0 at k = 0
             lag = v % k if mode == "ppo" else 0
             assert all((c.versions == v - lag).all() for g in batch.groups for c in g.completions)
             assert pipe.releases() == (mode == "pipeline" or (v + 1) % k == 0)

@@ -1,13 +1,16 @@
-"""placement.py: where trainer ranks and vLLM go, and whether they fit (no GPU needed: sizes are arguments).
+"""placement.py: where trainer ranks and vLLM go, and whether they fit (no GPU needed: sizes are
+arguments).
 
-Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own count on the meta
-device; (2) on 8 x H100-80GB and 8 x H200 (141 GB) with both presets: `torchrun --nproc_per_node 4` trains on
-GPUs 0-3 and generates on 4-7 (tp 1 x dp 4, NCCL-eligible); 8 trainer ranks leave no generator GPU and are refused
-with the 4 + 4 command; --share-gpu fits where trainer rank 0 plus vLLM's share fit the GPU (not 8B on an H100);
-one rank cannot hold 8B's fp32 weights, gradients and AdamW states; (3) overlap with trainer GPUs is refused unless
---share-gpu, and shared GPUs count once in gpu_hours; (4) --generator-gpus and the default placement read through
-CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines, capped by the KV cache.
-Expected values are worked out by hand in each test from the formulas in placement.py's docstring.
+Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own
+count on the meta device; (2) on 8 x H100-80GB and 8 x H200 (141 GB) with both presets: `torchrun
+--nproc_per_node 4` trains on GPUs 0-3 and generates on 4-7 (tp 1 x dp 4, NCCL-eligible); 8 trainer
+ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu fits where trainer
+rank 0 plus vLLM's share fit the GPU (not 8B on an H100); one rank cannot hold 8B's fp32 weights,
+gradients and AdamW states; (3) overlap with trainer GPUs is refused unless --share-gpu, and shared
+GPUs count once in gpu_hours; (4) --generator-gpus and the default placement read through
+CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines, capped by the KV
+cache. Expected values are worked out by hand in each test from the formulas in placement.py's
+docstring.
 """
 
 import pytest
@@ -17,7 +20,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import placement as pl
 
 GIB = 2**30
-H100 = 85_045_510_144  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB)
+# torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB)
+H100 = 85_045_510_144
 H200 = 150_754_820_096  # ... of an H200 (140.4 GiB)
 QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8)
 CONFIGS = {  # the public Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json sizes
@@ -38,7 +42,8 @@ CONFIGS = {  # the public Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json sizes
         **QWEN3,
     ),
 }
-PAPER = dict(  # the qwen3 presets (config.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
+# the qwen3 presets (config.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
+PAPER = dict(
     cuda_visible_devices=None,
     generator_gpus=None,
     share_gpu=False,
