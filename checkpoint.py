@@ -22,27 +22,73 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def sampler_weights(policy: torch.nn.Module, dtype: torch.dtype):
+    """Yield (name, tensor) for every weight of `train.Policy` as the sampler loads it: Hugging Face
+    names (no `lm.` prefix; a tied head once, as the input embedding, since named_parameters() lists
+    a shared tensor once), each tensor full (unsharded) on the parameter's device and cast to
+    `dtype` there. An FSDP2 shard is cast before the all-gather (DTensor.full_tensor(), a
+    collective: every rank iterates in the same order), so one parameter at a time exists unsharded,
+    in the sampler dtype, and nothing is gathered in fp32 or copied to the CPU."""
+    for name, p in policy.named_parameters():
+        t = p.detach().to(
+            dtype
+        )  # elementwise, so cast-then-gather equals gather-then-cast bit for bit
+        yield name.removeprefix("lm."), t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def export_weights(policy: torch.nn.Module, out_dir: str | None, dtype: torch.dtype) -> None:
-    """Gather `train.Policy`'s full, unsharded weights (a collective: every rank calls it) and, on rank 0, save them to
-    `out_dir/model.safetensors` under the Hugging Face names vLLM reloads; a tied head is saved once, as the
-    input embedding. FSDP2 DTensors and plain tensors alike (StateDictOptions(full_state_dict=True))."""
-    sd = get_model_state_dict(
-        policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    """Gather `train.Policy`'s full weights one parameter at a time, cast to `dtype` on their device
+    (`sampler_weights`; a collective: every rank calls it) and, on rank 0, copy each to the CPU and
+    save them all to `out_dir/model.safetensors` under the Hugging Face names vLLM reloads (the disk
+    path). CPU memory on rank 0: one copy of the weights in `dtype`; on the GPU: one unsharded
+    parameter at a time."""
+    sd = {}
+    for name, t in sampler_weights(policy, dtype):
+        if out_dir is not None:
+            # no copy on CPU: full_tensor() is fresh, and a plain parameter is only read until saved
+            sd[name] = t.to("cpu").contiguous()
+    if out_dir is not None:
+        save_file(sd, os.path.join(out_dir, "model.safetensors"))
+
+
+def nccl_sender(policy, dtype: torch.dtype, *, rank: int, client, port: int, world_size: int):
+    """The GPU fast path, trainer side (NOT RUN YET: no GPU with vLLM has been available): vLLM
+    0.32's NCCL weight-transfer engine (vllm.distributed.weight_transfer) over `sampler_weights`.
+    Call on every trainer rank once the engine runs: rank 0 is the sender and rendezvouses with the
+    engine's tp x dp workers over a TCPStore on 127.0.0.1:`port` (world_size = 1 + tp x dp; `client`
+    = the Sampler's sync_client, None on other ranks, which only join the FSDP2 gathers). Returns
+    the engine; its send_weights() (every rank, after each step) pauses vLLM, gathers each parameter
+    in `dtype` on the GPU and broadcasts it, loads it and resumes."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
     )
-    if out_dir is None:
-        return
-    sd = {k.removeprefix("lm."): v.to(dtype).contiguous() for k, v in sd.items()}
-    if policy.lm.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, os.path.join(out_dir, "model.safetensors"))
+
+    info = NCCLTrainerInitInfo(
+        master_address="127.0.0.1", master_port=port, world_size=world_size, rank=rank
+    )
+    source = sampler_source(policy, dtype)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def sampler_source(policy, dtype: torch.dtype):
+    """`sampler_weights` as vLLM's `WeightSource` (metadata without a gather, then a fresh pass per
+    round); its metadata and iteration agree name for name, dtype for dtype, shape for shape, as the
+    NCCL engine requires."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Source(WeightSource):
+        def metadata(self):
+            params = policy.named_parameters()
+            return [ParamMeta(n.removeprefix("lm."), dtype, tuple(p.shape)) for n, p in params]
+
+        def __iter__(self):
+            return sampler_weights(policy, dtype)
+
+    return Source()
 
 
 def save_checkpoint(run_dir: str, step: int, policy, optimizer, state: dict) -> None:

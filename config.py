@@ -39,6 +39,10 @@ PAPER_GEN = dict(
     steps=5000,
     micro_batch_size=1,
     activation_checkpointing=True,
+    # one vLLM engine per generator GPU (dp = their number): up to 8B the bf16 weights fit one GPU
+    # with room for KV cache, and data parallelism adds decoding throughput without tensor
+    # parallelism's all-reduces
+    tensor_parallel_size=1,
     data="polaris",
     temperature=1.0,
 )
@@ -68,13 +72,11 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, gpu_memory_utilization=0.6),
-    "qwen3-8b": dict(
-        PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, gpu_memory_utilization=0.6
-    ),  # paper A.3: 5e-7
-    "hf": dict(PAPER_GEN, path=None, lr=1e-6, gpu_memory_utilization=0.6),
+    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6),
+    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6),
+    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7),
+    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7),  # paper A.3: 5e-7
+    "hf": dict(PAPER_GEN, path=None, lr=1e-6),
 }
 # --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
 # settings on top of ScaleRL. A flag given on the command line wins over the recipe.
@@ -160,11 +162,16 @@ class Args:
     path: str | None = None
     """weights to start from (default: the preset's; `tiny` builds its own)"""
     generator_gpus: list[int] | None = None
-    """GPUs for vLLM, tp x dp of them (default: rank 0's GPU, shared with its trainer)"""
+    """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES
+    order); default: every visible GPU of rank 0's node that no trainer rank uses"""
+    share_gpu: bool = False
+    """let vLLM share trainer GPUs (default: rank 0's), small models only; weights go via disk"""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallelism; generator_gpus = tp * dp GPUs"""
+    """vLLM tensor parallelism; the generator GPUs form dp engines of tp GPUs each"""
     gpu_memory_utilization: float | None = None
-    """vLLM's share of each generator GPU"""
+    """vLLM's share of each generator GPU (default: 0.9 on its own GPUs, 0.5 on a shared one)"""
+    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"
+    """how weights reach vLLM: auto = NCCL when vLLM has GPUs of its own (CUDA), else disk"""
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
     activation_checkpointing: bool = False

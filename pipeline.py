@@ -40,6 +40,8 @@ from tqdm import tqdm
 import generate
 import reward
 
+# weight directories alive at once: one loading, one published and waiting, one being written
+VERSIONS_ALIVE = 3
 CLOSE_TIMEOUT = (
     20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
 )
@@ -56,6 +58,20 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
     groups started, not yet consumed or dropped; v: the sampler's weight version. The new group will be consumed
     about `outstanding // P` batches after t_next, and its tokens come from versions >= v."""
     return t_next + outstanding // P - v <= max_lag
+
+
+def weights_root(
+    weights_bytes: int, fallback: str | None, shm: str = "/dev/shm", free_bytes=None
+) -> str | None:
+    """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and
+    has room for VERSIONS_ALIVE versions of `weights_bytes` each (parameters x the sampler dtype's
+    bytes), else `fallback` (the run directory; None: the system temp dir). Containers often give
+    /dev/shm 64 MB, an 8B model needs 49 GB. free_bytes(path) -> bytes free there (default:
+    shutil.disk_usage), injectable for tests."""
+    free_bytes = free_bytes or (lambda path: shutil.disk_usage(path).free)
+    if os.path.isdir(shm) and free_bytes(shm) >= VERSIONS_ALIVE * weights_bytes:
+        return shm
+    return fallback
 
 
 @dataclass
@@ -88,7 +104,10 @@ class Pipeline:
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
     version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
     floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
-    version: trainer version of the start weights. Raises ValueError on bad settings, the sampler's start errors.
+    version: trainer version of the start weights. weights_bytes: one weight version's size on disk
+    (parameters x the sampler dtype's bytes) and spill_dir: where versions go when /dev/shm lacks
+    room (`weights_root`).
+    Raises ValueError on bad settings, the sampler's start errors.
     """
 
     def __init__(
@@ -108,6 +127,8 @@ class Pipeline:
         reward_timeout: float = 5.0,
         gen_timeout: float = 3600.0,
         version: int = 0,
+        weights_bytes: int = 0,
+        spill_dir: str | None = None,
     ):
         if (
             mode not in ("pipeline", "ppo")
@@ -163,7 +184,7 @@ class Pipeline:
             asyncio.Event(),
         )  # bound to the loop at first wait
         self._root = tempfile.mkdtemp(
-            prefix="pipeline_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+            prefix="pipeline_", dir=weights_root(weights_bytes, spill_dir)
         )
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
@@ -284,6 +305,50 @@ class Pipeline:
             self._remove(old[0])
         if release:
             self._poke(self._publish_event)
+
+    def releases(self) -> bool:
+        """Would a publish now reach the sampler at once? Always under PipelineRL; under
+        PPO-off-policy-k once the round's k batches are consumed. The NCCL path asks first: every
+        trainer rank must join its send."""
+        with self._cv:
+            return self.mode == "pipeline" or self._round_consumed >= self.k
+
+    def publish_by(self, version: int, send) -> bool:
+        """`publish` for the NCCL path: hand the sampler trainer version `version` through `send()`,
+        a blocking call that loads it into the running engine (generate.Sampler.sync_client: pause,
+        receive the broadcast, bump the sampler's version, resume), with the same bookkeeping: the
+        sampler-to-trainer version map is set before the load, and the version is released as
+        `publish` would (`releases()`); one not released (PPO-off-policy-k mid-round) is only
+        recorded, never sent, as a superseded directory is never loaded. Returns whether it was
+        sent. Raises ValueError unless `version` exceeds every earlier one, the producer's exception
+        if it failed, RuntimeError if the sampler did not move to its next version, and send's
+        errors."""
+        with self._cv:
+            self._check()
+            if version <= self._published:
+                raise ValueError(
+                    f"version {version} must exceed the last published one, {self._published}"
+                )
+            self._published, self._t_next = version, max(self._t_next, version)
+            if release := self.mode == "pipeline" or self._round_consumed >= self.k:
+                self._released, self._round_consumed = version, 0
+        if not release:
+            return False
+        expected = self.sampler.version + 1
+        self._vmap[expected] = (
+            version  # first: tokens of the new weights may come back before send returns
+        )
+        send()
+        if self.sampler.version != expected:
+            raise RuntimeError(
+                f"the sampler went to version {self.sampler.version}, expected {expected}"
+            )
+        with self._cv:
+            self._applied = version
+            self._round_started = 0 if self.mode == "ppo" else self._round_started
+            self._cv.notify_all()
+        self._poke(self._wake)
+        return True
 
     def evaluate(
         self,

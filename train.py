@@ -2,7 +2,7 @@
 
     python train.py                                     # tiny embedded model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20     # the same with FSDP2 over 2 CPU ranks (gloo)
-    torchrun --nproc_per_node 8 train.py --model qwen3-8b   # the paper's scale; vLLM shares rank 0's GPU
+    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # paper scale; 8 GPUs: 4 train, 4 vLLM
     python train.py --recipe loo-dapo                   # one of the paper's compared recipes / ablations
     python train.py --resume runs/NAME                  # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X # the sigmoid fit of a finished run
@@ -18,8 +18,8 @@ checkpoints, weight export and the run directory: checkpoint.py.
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (data.py `arith`) with 10^4x smaller
    budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's lengths and batch.
-2. Compute is counted in device-hours (`gpu_hours`): wall time x devices (trainer + generator GPUs; on CPU the
-   machine counts as one device). The paper counts GB200-hours.
+2. Compute is counted in device-hours (`gpu_hours`): wall time x distinct devices (trainer and
+   generator GPUs; on CPU the machine counts as one device). The paper counts GB200-hours.
 3. Truncated rollouts stay in the batch with the reward the grader gives them (usually 0); the paper says only
    that they shrink the "effective batch" (PAPER.md 7.4).
 4. Gradients are clipped at `max_grad_norm` (default 1.0); the paper does not say whether it clips.
@@ -34,6 +34,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 
@@ -42,14 +43,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import data
 import filters
 import fit
+import generate
 import loss
 import pipeline
+import placement
 import tiny
 from config import Args, parse_args, validate
 
@@ -84,6 +87,81 @@ def setup_distributed():
         timeout=datetime.timedelta(hours=2),
     )
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> placement.Plan:
+    """Rank 0 places the trainer ranks and vLLM on its node's GPUs and estimates their memory
+    (placement.py) and prints the plan; every rank gets it, and on a placement that cannot fit or
+    overlaps trainer GPUs unasked every rank exits with the command to run instead."""
+    plan = [None]
+    if dist.get_rank() == 0:
+        cuda = torch.cuda.is_available()
+        plan[0] = placement.plan(
+            placement.Shape.from_config(AutoConfig.from_pretrained(path)),
+            n_gpus=torch.cuda.device_count() if cuda else 0,
+            gpu_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0,
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            world=world,
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),  # torchrun sets it
+            generator_gpus=args.generator_gpus,
+            share_gpu=args.share_gpu,
+            tp=args.tensor_parallel_size,
+            utilization=args.gpu_memory_utilization,
+            micro_batch=args.micro_batch_size,
+            max_model_len=args.max_model_len,
+            checkpointing=args.activation_checkpointing,
+            fp32_head=args.fp32_head,
+            dtype_bytes=gen_dtype.itemsize,
+            P=P,
+            G=args.group_size,
+            k=args.max_lag,
+            mode=args.async_mode,
+            max_inflight=2 * P,  # the Pipeline's max_inflight below
+            kv_cache_bytes=int((args.kv_cache_gib or generate.CPU_KV_CACHE_GIB) * 2**30),
+            argv=sys.argv[1:],
+        )
+        print(placement.describe(plan[0]), flush=True)
+    dist.broadcast_object_list(plan)
+    placement.check(plan[0])
+    return plan[0]
+
+
+def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
+    """push(version), called on every rank after each step: the new weights to the sampler, as
+    trainer version `version`. "disk": gathered per parameter in the sampler dtype
+    (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
+    flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
+    engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
+    tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
+    pipeline releases the version (pipe.publish_by), every rank joining the gathers."""
+    if backend == "disk":
+
+        def push(version: int) -> None:
+            out_dir = pipe.weights_dir(version) if pipe else None
+            checkpoint.export_weights(policy, out_dir, dtype)
+            if pipe:
+                pipe.publish(out_dir, version)
+
+        return push
+    client = pipe.sampler.sync_client(pipe.loop) if pipe else None
+    sync = checkpoint.nccl_sender(
+        policy,
+        dtype,
+        rank=dist.get_rank(),
+        client=client,
+        port=free_port(),
+        world_size=1 + engine_ranks,
+    )
+
+    def push(version: int) -> None:
+        go = [pipe.releases() if pipe else None]
+        dist.broadcast_object_list(go)  # PPO-off-policy-k sends once per round: all ranks or none
+        if pipe:
+            pipe.publish_by(version, sync.send_weights)
+        elif go[0]:
+            sync.send_weights()
+
+    return push
 
 
 class Policy(torch.nn.Module):
@@ -369,6 +447,22 @@ def main(args: Args) -> None:
         policy=args.prompt_sampling,
         seed=args.seed,
     )
+    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the
+    # trainer is fp32)
+    gen_dtype = (
+        torch.bfloat16
+        if cuda and args.gen_dtype == "auto"
+        else (
+            torch.float32
+            if args.gen_dtype in ("auto", "float32")
+            else getattr(torch, args.gen_dtype)
+        )
+    )
+    P = round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
+    plan = plan_placement(args, path, world, gen_dtype, P)
+    backend = generate.weight_transfer_backend(
+        args.weight_transfer, cuda=cuda, dedicated=plan.dedicated
+    )
     torch.manual_seed(args.seed)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
     n_params = sum(p.numel() for p in lm.parameters())
@@ -377,8 +471,12 @@ def main(args: Args) -> None:
     policy = Policy(
         lm, args.fp32_head
     ).train()  # train mode: HF checkpoints layers only while training; no dropout
-    policy.to(device)
+    # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and
+    # keeps only its shard (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model moved
+    # to GPU 0 first would stay cached there (~30 GiB for 8B)
     shard(policy, device)
+    if cuda:
+        torch.cuda.empty_cache()  # the largest unit's unsharded transient (the embedding and head)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
     )
@@ -396,18 +494,8 @@ def main(args: Args) -> None:
             checkpoint.truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
             checkpoint.truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
     step, clock, history = state["step"], state["clock"], state["history"]
-    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the trainer is fp32)
-    gen_dtype = (
-        torch.bfloat16
-        if cuda and args.gen_dtype == "auto"
-        else (
-            torch.float32
-            if args.gen_dtype in ("auto", "float32")
-            else getattr(torch, args.gen_dtype)
-        )
-    )
     # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM); it starts from the current weights
-    devices = 1 if not cuda else world + (len(args.generator_gpus) if args.generator_gpus else 0)
+    devices = plan.devices  # distinct GPUs (trainer + generator, shared ones once); 1 on CPU
     start_dir = None
     if args.resume:
         start_dir = tempfile.mkdtemp(prefix="resume_", dir=run_dir) if master else None
@@ -416,7 +504,7 @@ def main(args: Args) -> None:
             lm.generation_config.save_pretrained(start_dir)
             tokenizer.save_pretrained(start_dir)
         checkpoint.export_weights(policy, start_dir, gen_dtype)
-    pipe, P = None, round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
+    pipe = None
     if master:
         os.environ.setdefault(
             "VLLM_LOGGING_LEVEL", "WARNING"
@@ -430,12 +518,13 @@ def main(args: Args) -> None:
             seed=args.seed + step,
             dtype=str(gen_dtype).removeprefix("torch."),
             max_model_len=args.max_model_len,
-            gpus=args.generator_gpus,
-            tensor_parallel_size=args.tensor_parallel_size,
-            data_parallel_size=max(1, len(args.generator_gpus or []) // args.tensor_parallel_size),
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpus=plan.generator,
+            tensor_parallel_size=plan.tp,
+            data_parallel_size=plan.dp,
+            gpu_memory_utilization=plan.utilization,
             kv_cache_gib=args.kv_cache_gib,
-            max_num_seqs=max(256, 2 * args.prompts_per_step * args.group_size),
+            max_num_seqs=plan.max_num_seqs,
+            weight_transfer=backend,
             interruptions=args.interruptions,
             fp32_head=args.fp32_head,
         )
@@ -447,17 +536,32 @@ def main(args: Args) -> None:
             prompts_per_batch=P,
             max_lag=args.max_lag,
             mode=args.async_mode,
+            max_inflight=2 * P,
             sampler_kwargs=sampler_kwargs,
             version=step,
+            weights_bytes=n_params * gen_dtype.itemsize,
+            spill_dir=run_dir,
         )
         # what this run is, in one line (args.json and meta.json hold the rest)
         print(
             f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "
             f"rank(s) on {device.type} | {path}: {n_params / 1e6:.2f}M params | {args.data}: {len(train_prompts)} "
             f"train, {len(eval_prompts)} held-out prompts | {P} prompts x {args.group_size} = "
-            f"{P * args.group_size} rollouts per step | recipe {args.recipe}",
+            f"{P * args.group_size} rollouts per step | recipe {args.recipe} | "
+            f"weights via {backend}",
             flush=True,
         )
+        if (
+            pipe.sampler.kv_capacity < plan.max_num_seqs
+        ):  # the plan estimated it; vLLM has now measured
+            print(
+                f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
+                f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
+                f"{plan.max_num_seqs}: "
+                f"long rollouts may preempt one another",
+                flush=True,
+            )
+    push_weights = weight_pusher(policy, pipe, backend, gen_dtype, plan.tp * plan.dp)
     if args.wandb_project and master:
         import wandb
 
@@ -576,10 +680,8 @@ def main(args: Args) -> None:
             step += 1
             # ---- 3. in-flight weight update: full weights to the sampler, version = step
             t2 = time.perf_counter()
-            out_dir = pipe.weights_dir(step) if master else None
-            checkpoint.export_weights(policy, out_dir, gen_dtype)
+            push_weights(step)
             if master:
-                pipe.publish(out_dir, step)
                 m.update(
                     m_train,
                     **{

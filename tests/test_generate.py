@@ -127,16 +127,20 @@ def test_versions_from_spans():
 
 def test_weight_transfer_backend_choice():
     pick = generate.weight_transfer_backend
-    assert pick("auto", cuda=False, vllm_version="0.32.0") == "disk"
-    assert pick("auto", cuda=True, vllm_version="0.32.3") == "nccl"
-    assert pick("auto", cuda=True, vllm_version="0.33.0") == "disk"  # unchecked vLLM: the disk path
-    assert pick("disk", cuda=True, vllm_version="0.32.0") == "disk"
-    assert pick("nccl", cuda=True, vllm_version="0.32.0") == "nccl"
-    for cuda, version in ((False, "0.32.0"), (True, "0.31.1")):
-        with pytest.raises(ValueError, match="needs CUDA and vLLM 0.32"):
-            pick("nccl", cuda=cuda, vllm_version=version)
+    ok = dict(cuda=True, dedicated=True, vllm_version="0.32.3")
+    assert pick("auto", **ok) == "nccl"  # vLLM on GPUs of its own: NCCL
+    assert pick("auto", **{**ok, "cuda": False}) == "disk"
+    assert pick("auto", **{**ok, "dedicated": False}) == "disk"  # a shared GPU: never build NCCL
+    assert (
+        pick("auto", **{**ok, "vllm_version": "0.33.0"}) == "disk"
+    )  # unchecked vLLM: the disk path
+    assert pick("disk", **ok) == "disk"
+    assert pick("nccl", **ok) == "nccl"
+    for bad in ({"cuda": False}, {"dedicated": False}, {"vllm_version": "0.31.1"}):
+        with pytest.raises(ValueError, match="needs CUDA, generator GPUs no trainer rank uses"):
+            pick("nccl", **{**ok, **bad})
     with pytest.raises(ValueError, match="weight_transfer must be"):
-        pick("ray", cuda=True)
+        pick("ray", cuda=True, dedicated=True)
 
 
 def test_engine_args_rl_settings():
@@ -427,3 +431,109 @@ def test_nccl_path_pure_parts(vllm_engine):
         "finish_weight_update",
     ):
         assert callable(getattr(s.engine, name))
+
+
+# ---- the NCCL path's names and tensors, through vLLM's own loader ----
+
+# vLLM 0.32 Qwen3 (qwen3.py / qwen2.py): q/k/v stacked into qkv_proj, gate/up into gate_up_proj
+VLLM_LAYER = [
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+
+
+def vllm_names(layers, tied):
+    """The vLLM Qwen3 model's parameter names, written out from its model code (a tied head is
+    listed once, as the embedding: named_parameters() skips a shared tensor's second name)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | (
+        set() if tied else {"lm_head.weight"}
+    )
+    return names | {f"model.layers.{i}.{n}" for i in range(layers) for n in VLLM_LAYER}
+
+
+@pytest.mark.parametrize("preset, tied", [("qwen3-0.6b", True), ("qwen3-8b", False)])
+def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
+    from transformers import Qwen3Config
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
+
+    import checkpoint
+    import train
+
+    sizes = {"qwen3-0.6b": (1024, 3072, 28, 16), "qwen3-8b": (4096, 12288, 36, 32)}[preset]
+    cfg = Qwen3Config(
+        hidden_size=sizes[0],
+        intermediate_size=sizes[1],
+        num_hidden_layers=sizes[2],
+        num_attention_heads=sizes[3],
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=tied,
+    )
+    with torch.device("meta"):  # the real shapes, no memory
+        policy = train.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
+    meta = checkpoint.sampler_source(policy, torch.bfloat16).metadata()
+    names = [m.name for m in meta]
+    assert len(names) == len(set(names)) == 2 + (not tied) + 11 * sizes[2]  # 11 HF tensors a layer
+    assert all(not m.name.startswith("lm.") and m.dtype == torch.bfloat16 for m in meta)
+    assert ("lm_head.weight" in names) is not tied  # tied: sent once, as the embedding
+    shards = {}
+    for (
+        n
+    ) in names:  # what vLLM's loader does with each name (AutoWeightsLoader + hf_to_vllm_mapper)
+        mapped, shard = VllmQwen3.hf_to_vllm_mapper._map_name_with_shard(n)
+        shards.setdefault(mapped, []).append(shard)
+    assert set(shards) == vllm_names(sizes[2], tied)
+    qkv = shards["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv == ["q", "k", "v"] and shards["model.layers.0.mlp.gate_up_proj.weight"] == [0, 1]
+
+
+@pytest.mark.vllm
+def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
+    """The (name, tensor) pairs the NCCL sender would broadcast, from a train.Policy, go through the
+    CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights): the
+    engine's own parameter names are exactly what they map onto, and afterwards its log-probs are
+    the new model's, as after a disk reload of the same weights (tied head included)."""
+    import checkpoint
+    import train
+
+    s, run = vllm_engine.sampler, vllm_engine.run
+    model_dir = tiny.random_model(str(tmp_path / "seed7"), seed=7)
+    policy = train.Policy(Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32), True)
+    pairs = list(checkpoint.sampler_weights(policy, torch.float32))
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
+
+    engine_names = run(s.engine.collective_rpc("parameter_names"))[0]
+    assert {VllmQwen3.hf_to_vllm_mapper.map_name(n) for n, _ in pairs} == set(engine_names)
+    assert set(engine_names) == vllm_names(2, tied=True)
+    torch.save(pairs, tmp_path / "pairs.pt")
+    version = run(
+        s._swap(s.engine.collective_rpc("load_named_weights", args=(str(tmp_path / "pairs.pt"),)))
+    )
+    group = run(s.generate(PROMPT, n=4, think_budget=(6, 10), answer_budget=10))
+    for c in group:
+        assert (c.versions == version).all()
+        expected = hf_logp(model_dir, c, 1.0)[c.mask]
+        assert torch.allclose(c.logp[c.mask].double(), expected, atol=1e-4, rtol=0)
+    greedy = dict(n=1, temperature=0.0, think_budget=(12, 12), answer_budget=9)
+    by_nccl_path = run(s.generate(PROMPT, **greedy))[0].completion_ids
+    run(s.update_weights(model_dir))  # the disk path, same weights
+    assert run(s.generate(PROMPT, **greedy))[0].completion_ids == by_nccl_path
+
+
+@pytest.mark.vllm
+def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
+    """vLLM's KV cache after start holds what placement.py estimates before start (conftest engine:
+    0.25 GiB, fp32, 2 layers x 1 KV head of 32, max_model_len 1024)."""
+    import placement
+
+    from_config = placement.Shape.from_config(tiny.model_config(tiny.build_tokenizer()))
+    per_token = placement.kv_bytes_per_token(from_config, dtype_bytes=4)
+    assert per_token == 2 * 2 * 1 * 32 * 4  # K and V x layers x KV heads x head_dim x fp32
+    assert vllm_engine.sampler.kv_capacity == 2**28 // per_token // 1024 == 512

@@ -27,6 +27,7 @@ import safetensors.torch
 import torch
 
 import filters
+import generate
 import pipeline
 import reward
 import tiny
@@ -476,3 +477,88 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
     assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
+
+
+# ---- (6) where weight versions are written; the NCCL path's publish ----
+
+
+def test_weights_root_falls_back_when_dev_shm_is_small(tmp_path):
+    need = 16_400_000_000  # an 8B model in bf16: 3 versions alive need 49.2 GB
+    shm = str(tmp_path / "shm")
+    os.makedirs(shm)
+    assert (
+        pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 64 * 2**20) == "runs/x"
+    )
+    assert pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need) == shm
+    assert (
+        pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need - 1)
+        == "runs/x"
+    )
+    assert (
+        pipeline.weights_root(1, None, shm=str(tmp_path / "none"), free_bytes=lambda p: 10**15)
+        is None
+    )
+
+
+def test_pipeline_writes_weights_into_the_spill_dir_when_they_do_not_fit(loop, tmp_path):
+    with pipeline.Pipeline(
+        HangingSampler(),
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        weights_bytes=10**15,  # 3 PB: more than any /dev/shm
+        spill_dir=str(tmp_path),
+    ) as pipe:
+        path = pipe.weights_dir(1)
+        assert os.path.dirname(os.path.dirname(path)) == str(tmp_path)
+    assert os.listdir(tmp_path) == []  # deleted on close
+
+
+class VersionedSampler:
+    """Stands in for generate.Sampler: every completion's tokens carry the sampler's current
+    version; `swap` plays the engine side of an NCCL update (pause, load, version + 1, resume)."""
+
+    def __init__(self):
+        self.version, self.swaps = 0, 0
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        await asyncio.sleep(0.01)
+        comp = lambda: generate.Completion(
+            prompt_ids, [1, 2], torch.zeros(2), torch.ones(2, dtype=torch.bool),
+            torch.full((2,), self.version), "stop", False, False, "ab",
+        )  # fmt: skip
+        return [comp() for _ in range(n)]
+
+    def swap(self):
+        self.swaps += 1
+        self.version += 1
+
+
+@pytest.mark.parametrize("mode, k", [("pipeline", 0), ("ppo", 2)])
+def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
+    sampler, rew = VersionedSampler(), ParityReward()
+    with pipeline.Pipeline(
+        sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=k,
+        mode=mode,
+        reward_fn=rew,
+    ) as pipe:
+        sent = []
+        for v in range(4):
+            batch = pipe.get_batch(v, timeout=30)
+            # trainer versions, whatever the sampler's count: 0..k-1 behind under PPO, 0 at k = 0
+            lag = v % k if mode == "ppo" else 0
+            assert all((c.versions == v - lag).all() for g in batch.groups for c in g.completions)
+            assert pipe.releases() == (mode == "pipeline" or (v + 1) % k == 0)
+            sent.append(pipe.publish_by(v + 1, sampler.swap))
+        assert sent == ([True] * 4 if mode == "pipeline" else [False, True, False, True])
+        assert sampler.swaps == sum(sent) and pipe._applied == 4
+        with pytest.raises(ValueError, match="must exceed"):
+            pipe.publish_by(4, sampler.swap)

@@ -1,0 +1,252 @@
+"""placement.py: where trainer ranks and vLLM go, and whether they fit (no GPU needed: sizes are
+arguments).
+
+Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own
+count on the meta device; (2) on 8 x H100-80GB and 8 x H200 (141 GB) with both presets: `torchrun
+--nproc_per_node 4` trains on GPUs 0-3 and generates on 4-7 (tp 1 x dp 4, NCCL-eligible); 8 trainer
+ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu fits where trainer
+rank 0 plus vLLM's share fit the GPU (not 8B on an H100); one rank cannot hold 8B's fp32 weights,
+gradients and AdamW states; (3) overlap with trainer GPUs is refused unless --share-gpu, and shared
+GPUs count once in gpu_hours; (4) --generator-gpus and the default placement read through
+CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines, capped by the KV
+cache. Expected values are worked out by hand in each test from the formulas in placement.py's
+docstring.
+"""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import placement as pl
+
+GIB = 2**30
+# torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB)
+H100 = 85_045_510_144
+H200 = 150_754_820_096  # ... of an H200 (140.4 GiB)
+QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8)
+CONFIGS = {  # the public Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json sizes
+    "qwen3-0.6b": Qwen3Config(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        tie_word_embeddings=True,
+        **QWEN3,
+    ),
+    "qwen3-8b": Qwen3Config(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+        **QWEN3,
+    ),
+}
+# the qwen3 presets (config.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
+PAPER = dict(
+    cuda_visible_devices=None,
+    generator_gpus=None,
+    share_gpu=False,
+    tp=1,
+    utilization=None,
+    micro_batch=1,
+    max_model_len=16512,
+    checkpointing=True,
+    fp32_head=True,
+    dtype_bytes=2,
+    P=48,
+    G=16,
+    k=8,
+    mode="pipeline",
+    max_inflight=96,
+)
+
+
+def plan(model, gpu_bytes, nproc, n_gpus=8, **kw):
+    shape = pl.Shape.from_config(CONFIGS[model])
+    argv = ["--model", model] + kw.pop("argv", [])
+    kw = {**PAPER, **kw}
+    return pl.plan(
+        shape, n_gpus=n_gpus, gpu_bytes=gpu_bytes, world=nproc, local_world=nproc, argv=argv, **kw
+    )
+
+
+@pytest.mark.parametrize("model", CONFIGS)
+def test_parameter_count_matches_transformers(model):
+    with torch.device("meta"):
+        lm = Qwen3ForCausalLM(CONFIGS[model])
+    assert pl.Shape.from_config(CONFIGS[model]).params == sum(p.numel() for p in lm.parameters())
+
+
+def test_trainer_memory_by_hand_8b_on_4_ranks():
+    N = 8_190_735_360  # Qwen3-8B (test above)
+    m = pl.trainer_bytes(
+        pl.Shape.from_config(CONFIGS["qwen3-8b"]), world=4, tokens=16512, checkpointing=True
+    )
+    assert (m["params"], m["grads"], m["adamw"]) == (N, N, 2 * N)  # 4 + 4 + 8 bytes / 4 ranks
+    per_layer_token = 2 * (6 * 4096 + 5 * 4096 + 5 * 1024 + 4 * 12288)  # 198,656 bytes
+    assert m["activations"] == 36 * 16512 * 2 * 4096 + 16512 * per_layer_token
+    no_ac = pl.trainer_bytes(
+        pl.Shape.from_config(CONFIGS["qwen3-8b"]), world=4, tokens=16512, checkpointing=False
+    )
+    assert no_ac["activations"] == 36 * 16512 * per_layer_token  # 110 GiB: checkpointing is needed
+    root = 2 * 151936 * 4096 + 4096  # embedding + untied head + final norm: the largest FSDP unit
+    assert m["gathers"] == 2 * 2 * root + 6 * root
+    assert m["head"] == 2 * 1024 * 151936 * 4 + 16512 * 4096 * 4 + 2 * 151936 * 4096 * 4
+
+
+@pytest.mark.parametrize("gpu_bytes", [H100, H200])
+@pytest.mark.parametrize("model", CONFIGS)
+def test_four_trainer_ranks_four_generator_gpus(model, gpu_bytes):
+    p = plan(model, gpu_bytes, nproc=4)
+    assert p.errors == [] and p.fix is None
+    assert [r.role for r in p.rows] == [f"trainer rank {g}" for g in range(4)] + [
+        f"vLLM dp {i}" for i in range(4)
+    ]
+    assert p.generator == ["4", "5", "6", "7"] and (p.tp, p.dp) == (1, 4)
+    assert p.dedicated and p.devices == 8 and p.utilization == 0.9
+    N = pl.Shape.from_config(CONFIGS[model]).params
+    assert p.rows[0].parts["params"] + p.rows[0].parts["adamw"] == 12 * N // 4
+    assert p.rows[0].total < gpu_bytes and p.rows[4].parts == {"vllm": int(0.9 * gpu_bytes)}
+    pl.check(p)  # does not raise
+
+
+@pytest.mark.parametrize("gpu_bytes", [H100, H200])
+@pytest.mark.parametrize("model", CONFIGS)
+def test_eight_trainer_ranks_leave_no_generator_gpu(model, gpu_bytes):
+    p = plan(model, gpu_bytes, nproc=8)
+    assert any("no GPU left for the generator" in e for e in p.errors)
+    assert p.fix == f"torchrun --nproc_per_node 4 train.py --model {model}"
+    with pytest.raises(SystemExit, match=f"run instead: torchrun --nproc_per_node 4 .*{model}"):
+        pl.check(p)
+
+
+@pytest.mark.parametrize(
+    "model, gpu_bytes, fits",
+    [("qwen3-0.6b", H100, True), ("qwen3-0.6b", H200, True), ("qwen3-8b", H200, True)]
+    + [("qwen3-8b", H100, False)],  # 8 ranks: ~42.5 GiB on rank 0 + 0.5 x 79.2 GiB > 79.2 GiB
+)
+def test_share_gpu_fits_small_models_only(model, gpu_bytes, fits):
+    p = plan(model, gpu_bytes, nproc=8, share_gpu=True, argv=["--share-gpu"])
+    r0 = p.rows[0]
+    assert r0.role == "trainer rank 0 + vLLM dp 0" and r0.parts["vllm"] == int(0.5 * gpu_bytes)
+    assert r0.total == sum(p.rows[1].parts.values()) + int(0.5 * gpu_bytes)  # rank 1: trainer only
+    assert (not p.errors) == fits == (r0.total <= gpu_bytes)
+    assert p.generator == ["0"] and not p.dedicated and p.devices == 8  # GPU 0 counted once
+    if not fits:
+        assert (
+            p.fix == f"torchrun --nproc_per_node 4 train.py --model {model}"
+        )  # --share-gpu dropped
+
+
+@pytest.mark.parametrize("gpu_bytes", [H100, H200])
+def test_one_rank_cannot_hold_8b(gpu_bytes):
+    p = plan("qwen3-8b", gpu_bytes, nproc=1)
+    assert 16 * 8_190_735_360 > gpu_bytes * 0.8  # fp32 weights + grads + AdamW alone: 122 GiB
+    assert p.errors == [f"GPU 0 (trainer rank 0) needs ~{p.rows[0].total / GIB:.1f} of "
+                        f"{gpu_bytes / GIB:.1f} GiB"]  # fmt: skip
+    assert p.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-8b"
+    small = plan("qwen3-0.6b", gpu_bytes, nproc=1)  # fits: 1 trainer GPU, 7 generator GPUs
+    assert not small.errors and (small.dp, small.devices) == (7, 8)
+
+
+def test_activation_checkpointing_suggested_when_activations_do_not_fit():
+    p = plan("qwen3-8b", H100, nproc=4, checkpointing=False, argv=["--no-activation-checkpointing"])
+    assert p.errors and "110.0 GiB without" in " ".join(p.notes)
+    assert (
+        p.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-8b --activation-checkpointing"
+    )
+
+
+def test_single_gpu_small_model_suggests_sharing():
+    p = plan("qwen3-0.6b", H100, nproc=1, n_gpus=1)
+    assert any("no GPU left" in e for e in p.errors)
+    assert p.fix == "torchrun --nproc_per_node 1 train.py --model qwen3-0.6b --share-gpu"
+
+
+def test_overlap_refused_unless_shared_and_counted_once():
+    p = plan("qwen3-0.6b", H200, nproc=4, generator_gpus=[3, 4, 5, 6], argv=["--generator-gpus"])
+    assert p.errors == [
+        "--generator-gpus [3, 4, 5, 6] overlaps the GPU(s) [3] of trainer rank(s) [3]; "
+        "--share-gpu shares them on purpose (small models only)"
+    ]
+    assert p.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-0.6b"
+    shared = plan("qwen3-0.6b", H200, nproc=4, generator_gpus=[3, 4, 5, 6], share_gpu=True)
+    assert not shared.errors and shared.devices == 7  # 4 trainer GPUs + 4 generator GPUs - 1 shared
+    assert shared.rows[3].role == "trainer rank 3 + vLLM dp 0" and shared.rows[7].role == "idle"
+    assert shared.utilization == 0.5 and not shared.dedicated
+    bad = plan("qwen3-0.6b", H200, nproc=4, generator_gpus=[7, 8, 7])
+    assert "indices must be distinct and among the 8 visible GPUs 0-7" in bad.errors[0]
+
+
+def test_cuda_visible_devices_mapping():
+    assert pl.visible_gpus(None, 3) == ["0", "1", "2"]
+    assert pl.visible_gpus("GPU-aa, GPU-bb,GPU-cc", 2) == ["GPU-aa", "GPU-bb"]
+    with pytest.raises(ValueError, match="lists fewer than 4 GPUs"):
+        pl.visible_gpus("3,5", 4)
+    env = "2,3,6,7,0,1,4,5"  # visible GPU i is physical env[i]
+    p = plan("qwen3-8b", H200, nproc=4, cuda_visible_devices=env)
+    assert p.generator == ["0", "1", "4", "5"] and [r.physical for r in p.rows[:4]] == list("2367")
+    q = plan("qwen3-8b", H200, nproc=4, cuda_visible_devices=env, generator_gpus=[5, 6])
+    assert q.generator == ["1", "4"] and (q.dp, q.devices) == (2, 6)
+
+
+def test_tensor_parallel_groups_and_idle_gpus():
+    p = plan("qwen3-8b", H200, nproc=4, tp=3)
+    assert (p.tp, p.dp, p.generator) == (3, 1, ["4", "5", "6"]) and p.rows[7].role == "idle"
+    assert [r.role for r in p.rows[4:7]] == ["vLLM dp 0 tp 0", "vLLM dp 0 tp 1", "vLLM dp 0 tp 2"]
+    assert "[7] idle" in p.notes[0] and p.devices == 7
+    assert (
+        "not a multiple" in plan("qwen3-8b", H200, nproc=4, tp=3, generator_gpus=[4, 5]).errors[0]
+    )
+
+
+def test_kv_cache_capacity_by_hand():
+    p = plan("qwen3-8b", H200, nproc=4)
+    kv_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16: 147,456 bytes
+    weights = 8_190_735_360 * 2 + 151936 * 4096 * 2  # bf16, plus the fp32 head's other 2 bytes
+    kv = int(0.9 * H200) - weights - 4 * GIB
+    assert p.kv_seqs == kv // (kv_token * 16512) == 46
+    assert p.max_num_seqs == 46  # demand 48 x 16 x 2 / 4 = 384 per engine, capped by the KV cache
+
+
+def test_max_num_seqs_formula():
+    f = pl.max_num_seqs
+    kw = dict(P=48, G=16, max_inflight=96, dp=4, kv_seqs=10_000)
+    assert f(k=8, mode="pipeline", **kw) == 48 * 16 * 2 // 4  # k + 1 = 9, max_inflight: 2 batches
+    assert f(k=0, mode="pipeline", **kw) == 48 * 16 // 4  # synchronous: one batch
+    assert f(k=1, mode="ppo", **kw) == 48 * 16 // 4  # one batch per weight version
+    assert f(k=8, mode="pipeline", **{**kw, "kv_seqs": 46}) == 46
+    assert (
+        f(k=8, mode="pipeline", **{**kw, "P": 80, "max_inflight": 160}) == 80 * 16 * 2 // 4
+    )  # batch-scale
+    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=4, dp=3, kv_seqs=99) == 6  # ceil(16 / 3)
+    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=8, dp=1, kv_seqs=99) == 32  # 4 batches
+    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=8, dp=1, kv_seqs=0) == 1
+
+
+def test_cpu_plan():
+    tiny = Qwen3Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=320,
+        tie_word_embeddings=True,
+    )
+    kw = {
+        **PAPER,
+        "max_model_len": 512,
+        "dtype_bytes": 4,
+        "P": 16,
+        "G": 8,
+        "k": 2,
+        "max_inflight": 32,
+    }
+    p = pl.plan(pl.Shape.from_config(tiny), n_gpus=0, gpu_bytes=0, world=2, local_world=2, **kw)
+    assert (p.generator, p.devices, p.errors, p.dedicated) == (None, 1, [], False)
+    assert p.kv_seqs == GIB // (2 * 2 * 64 * 4 * 512)  # 1 GiB / (K+V x 2 layers x 64 x fp32 x 512)
+    assert p.max_num_seqs == 16 * 8 * 2  # two batches in flight, far below the KV cap
+    assert pl.describe(p).startswith("placement: CPU")
