@@ -52,15 +52,20 @@ def make_prompts(n=8):
 
 
 class CountingPool(filters.PromptPool):
-    """A PromptPool that counts its draws (the pipeline's count "in")."""
+    """A PromptPool that counts its draws (the pipeline's count "in") and lists them, and the releases."""
 
     def __init__(self, n):
         super().__init__(n, seed=0)
-        self.draws = 0
+        self.draws, self.drawn, self.released = 0, [], []
 
     def next(self):
         self.draws += 1
-        return super().next()
+        self.drawn.append(super().next())
+        return self.drawn[-1]
+
+    def release(self, idx):
+        self.released.append(idx)
+        super().release(idx)
 
 
 class ParityReward:
@@ -247,12 +252,12 @@ def test_invariants_real_run(vllm_engine, k, steps):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
-    k, rew, prompts = 1, ParityReward(), make_prompts()
+    k, rew, prompts, pool = 1, ParityReward(), make_prompts(), CountingPool(8)
     sd = start_weights(vllm_engine.model_dir)
     with pipeline.Pipeline(
         vllm_engine.sampler,
         prompts,
-        CountingPool(8),
+        pool,
         loop=vllm_engine.loop,
         group_size=G,
         prompts_per_batch=P,
@@ -292,6 +297,11 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
         batch = pipe.get_batch(3, timeout=120)
         assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
         assert pipe.dropped == P
+        # their prompts (the first 2P drawn, less the first batch's) went back to the pool, to be sampled again
+        stale = sorted(pool.drawn[: 2 * P])
+        for g in first.groups:
+            stale.remove(g.index)
+        assert sorted(pool.released) == stale
         assert all(g.min_version == 3 for g in batch.groups)  # started once version 3 was loaded
         assert not any(os.path.exists(p) for p in paths)  # loaded or superseded: deleted
     vllm_engine.run(
