@@ -12,6 +12,9 @@ Where this departs from the paper, and why:
    once per epoch, so the two only differ for groups still in flight across a boundary (PipelineRL).
 3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so that the
    reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
+4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first after the
+   resume, one whose group went stale (PipelineRL) is handed back (`release`) and served next. Long prompts are
+   the ones in flight or late, so skipping them would bias training towards short ones.
 """
 
 import collections

@@ -14,6 +14,8 @@ Where this departs from the paper, and why:
    torch, vLLM) in every worker.
 4. `timeout` counts from when a started, free worker takes the item: the first call also waits ~1-2 s for a worker
    to start, and concurrent callers beyond WORKERS wait for a free one.
+5. LaTeX spacing inside a number ("10\\,000", "1\\;234\\;567") is removed from both answers before math-verify,
+   which reads "10\\,000" as 10 * 0; only digit grouping is undone, never two numbers merged (ungroup_digits).
 """
 
 import atexit

@@ -2,7 +2,8 @@
 penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer retirement at the threshold
 (9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires; 0/16 stays), epoch reshuffles that skip retired
 prompts, the error when all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
-and thread safety of next()/record(). Expected values are worked out by hand in each test."""
+prompts drawn but not recorded (in flight at a checkpoint, or released as stale) served again first, and thread
+safety of next()/record(). Expected values are worked out by hand in each test."""
 
 import json
 import threading

