@@ -170,15 +170,15 @@ def thinking_mode(tokenizer, mode: str = "auto") -> bool:
 def thinking_warning(records: list[dict]) -> str | None:
     """A warning for a run with thinking on where no response closed its thinking by itself: every
     `</think>` in `records` (pipeline.Pipeline.evaluate's, with "text" and "interrupted") came from
-    the forced interruption phrase, or there is none. Then every answer scores 0 and every group is
-    zero-variance: the model does not think in this format (see thinking_mode; --thinking off).
-    None when at least one response wrote `</think>` itself."""
+    the forced interruption phrase, or there is none. Responses without `</think>` score 0, so when
+    the model does not think in this format every group is zero-variance and nothing is learned
+    (see thinking_mode; --thinking off). None when at least one response wrote `</think>` itself."""
     if any(THINK_CLOSE in r["text"] and not r["interrupted"] for r in records):
         return None
     return (
         f"warning: thinking is on, but none of the {len(records)} eval responses closed its "
-        f"thinking with {THINK_CLOSE} by itself, so all of them score 0; if this model does not "
-        "think, pass --thinking off"
+        f"thinking with {THINK_CLOSE} by itself (a response without one scores 0); if this model "
+        "does not think, pass --thinking off"
     )
 
 
