@@ -196,6 +196,8 @@ class Args:
     """G: completions per prompt (paper: 16)"""
     temperature: float = 1.0
     """sampling temperature of training and evaluation; the trainer divides logits by it too"""
+    thinking: Literal["auto", "on", "off"] = "auto"
+    """<think>...</think> before the answer; auto: iff the chat template renders a think block"""
     think_budget: tuple[int, int] = ARITH_THINK_BUDGET
     """forced interruption after L ~ U[lo, hi] thinking tokens (paper A.10: 10k-12k)"""
     answer_budget: int = 16

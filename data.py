@@ -18,6 +18,7 @@ Where this departs from the paper, and why:
 """
 
 import json
+import numbers
 import os
 import random
 import re
@@ -25,6 +26,10 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+
+import numpy as np
 
 from reward import extract_boxed
 
@@ -52,6 +57,7 @@ ANSWER_KEYS = (
     "solution",
 )  # cleanest first: MATH-500 rows carry both answer and solution
 SPLIT_FILE = "heldout.json"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the thinking format's tags (Qwen3, DeepSeek-R1)
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,87 @@ def arith_solution(item: ArithItem, *, slip: float = 0.0, rng: random.Random | N
     return "<think>\n" + "".join(lines) + f"</think>\n\n\\boxed{{{x}}}"
 
 
+# ---- thinking format ------------------------------------------------------------------------------
+
+
+def thinking_mode(tokenizer, mode: str = "auto") -> bool:
+    """Does the model write <think>...</think> before its answer (paper A.3)? This decides
+    Prompt.thinking, hence the sampler's two phases and reward.math_reward's "only the text after
+    the last </think> counts" rule.
+
+    mode "on" / "off" force the answer ("on" raises ValueError unless `</think>` is a single token:
+    the sampler ends the thinking phase on that id). "auto" reads the chat template: thinking iff
+    `</think>` is one token and the template renders a think block, i.e. its generation prompt for
+    one user turn differs between enable_thinking=True and False (Qwen3's hybrid template writes an
+    empty `<think>\\n\\n</think>` when False), or with enable_thinking=True it ends inside an opened
+    `<think>` (Qwen3-Thinking-2507, DeepSeek-R1, QwQ). A template with no think block
+    (Qwen3-Instruct-2507, SmolLM2) or no template at all gives False: the vocabulary alone says
+    nothing, as Qwen3's non-thinking checkpoints share the thinking ones' tokens.
+    Raises ValueError on an unknown mode."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"thinking mode must be 'auto', 'on' or 'off', got {mode!r}")
+    one_token = len(tokenizer.encode(THINK_CLOSE, add_special_tokens=False)) == 1
+    if mode == "on" and not one_token:
+        raise ValueError(
+            f"thinking is on, but {THINK_CLOSE} is not a single token of this tokenizer: "
+            "use thinking off"
+        )
+    if mode != "auto":
+        return mode == "on"
+    if not one_token or not getattr(tokenizer, "chat_template", None):
+        return False
+    turn = [{"role": "user", "content": "What is 1 + 1?"}]
+    on, off = (
+        tokenizer.apply_chat_template(
+            turn, tokenize=False, add_generation_prompt=True, enable_thinking=flag
+        )
+        for flag in (True, False)
+    )
+    return on != off or on.rfind(THINK_OPEN) > on.rfind(THINK_CLOSE)
+
+
+def thinking_warning(records: list[dict]) -> str | None:
+    """A warning for a run with thinking on where no response closed its thinking by itself: every
+    `</think>` in `records` (pipeline.Pipeline.evaluate's, with "text" and "interrupted") came from
+    the forced interruption phrase, or there is none. Responses without `</think>` score 0, so when
+    the model does not think in this format every group is zero-variance and nothing is learned
+    (see thinking_mode; --thinking off). None when at least one response wrote `</think>` itself."""
+    if any(THINK_CLOSE in r["text"] and not r["interrupted"] for r in records):
+        return None
+    return (
+        f"warning: thinking is on, but none of the {len(records)} eval responses closed its "
+        f"thinking with {THINK_CLOSE} by itself (a response without one scores 0); if this model "
+        "does not think, pass --thinking off"
+    )
+
+
 # ---- loading ---------------------------------------------------------------------------------------------------
+
+
+def gold_text(answer) -> str:
+    """The gold answer of a dataset cell as text that math-verify reads exactly. A string is
+    returned as is; a number is written out in full: integers (numpy ones too) and integral floats
+    as integers (3.0 -> "3", 1e20 -> "100000000000000000000"), other floats as the plain decimal of
+    their shortest repr (1e-05 -> "0.00001", never "1e-05", which math-verify reads as e - 5), a
+    Decimal as its exact plain decimal, a Fraction as "n/d".
+
+    Raises ValueError saying what the cell is when it holds no answer: a bool, NaN or an infinity,
+    anything else (a list, a dict); build_prompts counts such rows as skipped, under that reason."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, (bool, np.bool_)):
+        raise ValueError("is a bool")
+    if isinstance(answer, numbers.Integral):
+        return str(int(answer))
+    if isinstance(answer, Fraction):
+        return str(answer)  # "3/4", or "3" when whole
+    if isinstance(answer, (numbers.Real, Decimal)):
+        # str() of a float (or numpy float32) is its shortest repr; Decimal reads that text exactly
+        d = answer if isinstance(answer, Decimal) else Decimal(str(answer))
+        if not d.is_finite():
+            raise ValueError("not finite")
+        return str(int(d)) if d == d.to_integral_value() else format(d, "f")
+    raise ValueError("not a string or number")
 
 
 def normalize_gold(answer: str) -> str:
@@ -142,8 +228,12 @@ def normalize_gold(answer: str) -> str:
 def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     """Raw rows of `source`: "arith", a preset name, a local .jsonl/.json/.parquet file, or a hub id.
 
-    A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). Raises ValueError for
-    an unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing local path."""
+    A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). JSON
+    and JSONL are read as UTF-8 with or without a byte-order mark, their non-integer numbers as
+    Decimal (the digits as written, for gold_text); a parquet float32 cell stays a float32 (whose
+    shortest repr is the number written: 0.1, not 0.10000000149011612). Raises ValueError for an
+    unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing
+    local path."""
     if source == "arith":
         rows, seen = [], set()
         for item, _ in zip(
@@ -169,20 +259,29 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     if not os.path.exists(source):
         raise FileNotFoundError(f"data file not found: {source}")
     if ext == ".jsonl":
-        with open(source) as f:
+        # "utf-8-sig": a byte-order mark before the first row is dropped, not read as a character
+        with open(source, encoding="utf-8-sig") as f:
             return [_json_or_text(line) for line in f if line.strip()]
     if ext == ".json":
-        with open(source) as f:
-            rows = json.load(f)
+        with open(source, encoding="utf-8-sig") as f:
+            rows = json.load(f, parse_float=Decimal)
         if not isinstance(rows, list):
             raise ValueError(
                 f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}"
             )
         return rows
     if ext == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(source).to_pylist()
+        table = pq.read_table(source)
+        rows = table.to_pylist()
+        # to_pylist widens float32 to a double (0.1 -> 0.10000000149011612); narrowing back is exact
+        for field in table.schema:
+            if pa.types.is_float32(field.type):
+                for row, v in zip(rows, table.column(field.name).to_pylist(), strict=True):
+                    row[field.name] = None if v is None else np.float32(v)
+        return rows
     raise ValueError(
         f"{source}: unknown data format {ext!r} (use .jsonl, .json, .parquet, a preset "
         f"{sorted(PRESETS) + ['arith']} or a hub id)"
@@ -191,7 +290,7 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
 
 def _json_or_text(line: str):
     try:
-        return json.loads(line)
+        return json.loads(line, parse_float=Decimal)
     except json.JSONDecodeError:
         return line
 
@@ -208,10 +307,12 @@ def build_prompts(
 ) -> tuple[list["Prompt"], Counter]:
     """Validate `rows`, map columns, normalise golds, template and tokenize; returns (prompts, skipped-by-reason).
 
-    Column names: `question_key` / `answer_key` if given, else the first of QUESTION_KEYS / ANSWER_KEYS that any
-    row has. A row is skipped, and counted under its reason, when it is not an object, misses the question or the
-    answer, holds a non-string there (a number answer is taken as its text), is empty after normalisation, repeats an
-    earlier question, or templates to more than `max_prompt_len` tokens. Never raises on a bad row."""
+    Column names: `question_key` / `answer_key` if given, else the first of QUESTION_KEYS /
+    ANSWER_KEYS that any row has. A number answer becomes its exact text (gold_text). A row is
+    skipped, and counted under its reason, when it is not an object, misses the question or the
+    answer, holds a non-string question or an answer that is no string or finite number (a bool,
+    NaN, a list), is empty after normalisation, repeats an earlier question, or templates to more
+    than `max_prompt_len` tokens. Never raises on a bad row."""
     keys = {k for r in rows if isinstance(r, dict) for k in r}
     q_key = question_key or next((k for k in QUESTION_KEYS if k in keys), QUESTION_KEYS[0])
     a_key = answer_key or next((k for k in ANSWER_KEYS if k in keys), ANSWER_KEYS[0])
@@ -221,19 +322,23 @@ def build_prompts(
             skipped["not a JSON object"] += 1
             continue
         q, a = row.get(q_key), row.get(a_key)
-        if isinstance(a, (int, float)) and not isinstance(a, bool):
-            a = str(a)
+        try:
+            gold = None if a is None else normalize_gold(gold_text(a))
+        except ValueError as e:  # no answer in that cell: say what it is
+            gold, why = None, f"{a_key} {e}"
         if q is None or a is None:
             skipped[f"missing {q_key if q is None else a_key}"] += 1
-        elif not isinstance(q, str) or not isinstance(a, str):
-            skipped[f"{q_key if not isinstance(q, str) else a_key} not a string"] += 1
-        elif not q.strip() or not normalize_gold(a):
+        elif not isinstance(q, str):
+            skipped[f"{q_key} not a string"] += 1
+        elif gold is None:
+            skipped[why] += 1
+        elif not q.strip() or not gold:
             skipped[f"empty {q_key if not q.strip() else a_key}"] += 1
         elif q in seen:
             skipped["duplicate question"] += 1
         else:
             seen.add(q)
-            valid.append((q, normalize_gold(a)))
+            valid.append((q, gold))
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],

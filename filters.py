@@ -12,8 +12,12 @@ Where this departs from the paper, and why:
    once per epoch, so the two only differ for groups still in flight across a boundary (PipelineRL).
 3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so that the
    reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
+4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first after the
+   resume, one whose group went stale (PipelineRL) is handed back (`release`) and served next. Long prompts are
+   the ones in flight or late, so skipping them would bias training towards short ones.
 """
 
+import collections
 import operator
 import threading
 from fractions import Fraction
@@ -68,7 +72,12 @@ class PromptPool:
     good when its group's pass rate n_correct / n_total >= threshold, compared exactly (9 of 10 retires at 0.9,
     15 of 16 retires, 0 of 16 stays); `threshold` may be a float (read as its shortest decimal, so 0.9 is 9/10), a
     str ("9/10") or a Fraction. `policy="uniform"` records the history but never retires (the LOO baseline).
-    Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`."""
+    Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`.
+
+    Prompts drawn by `next()` and not yet `record`ed (in flight in the pipeline, or queued) are
+    kept in draw order, and so are prompts handed back by `release()`; `state_dict()` saves them
+    and a restored pool serves them before anything else. Long prompts are the ones in flight at a
+    checkpoint, so losing them on a resume would bias training towards short ones."""
 
     def __init__(
         self, n_prompts: int, threshold: float = 0.9, policy: str = "no_positive", seed: int = 0
@@ -85,6 +94,10 @@ class PromptPool:
         self._lock = threading.Lock()
         self._epoch, self._pos = 0, 0
         self._retired: set[int] = set()
+        # drawn by next(), not yet recorded nor released (a multiset, in draw order); and the prompts to
+        # serve again before the epoch's order goes on (released, or unfinished in a restored state)
+        self._drawn: list[int] = []
+        self._again: collections.deque[int] = collections.deque()
         self._correct = [0] * n_prompts  # cumulative correct rollouts per prompt
         self._total = [0] * n_prompts  # cumulative rollouts per prompt
         self._order = self._permutation(0)
@@ -103,14 +116,21 @@ class PromptPool:
         return self.n_prompts - len(self._retired)
 
     def next(self) -> int:
-        """Index of the next prompt to sample; retired prompts are skipped. Raises RuntimeError when every prompt
-        is retired (the policy solves the whole training set at the threshold: nothing left to learn from)."""
+        """Index of the next prompt to sample; retired prompts are skipped. Prompts handed back by
+        `release()`, or unfinished when a restored state was saved, come first. Raises RuntimeError
+        when every prompt is retired (the policy solves the whole training set at the threshold:
+        nothing left to learn from)."""
         with self._lock:
             if not self.num_active:
                 raise RuntimeError(
                     f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
                     f"{float(self.threshold)}); nothing left to sample"
                 )
+            while self._again:
+                idx = self._again.popleft()
+                if idx not in self._retired:
+                    self._drawn.append(idx)
+                    return idx
             while True:
                 if self._pos == self.n_prompts:  # epoch boundary: reshuffle
                     self._epoch, self._pos = self._epoch + 1, 0
@@ -118,13 +138,29 @@ class PromptPool:
                 idx = self._order[self._pos]
                 self._pos += 1
                 if idx not in self._retired:
+                    self._drawn.append(idx)
                     return idx
+
+    def release(self, idx: int) -> None:
+        """Hand back prompt `idx`, drawn by `next()`, whose group will never be recorded (the
+        pipeline dropped it as stale): `next()` serves it again before the epoch's order goes on,
+        so a slow prompt is not skipped for the epoch. A prompt that keeps going stale keeps coming
+        back, at the cost of one group slot at a time. Raises ValueError when `idx` is not drawn
+        and unrecorded."""
+        idx = operator.index(idx)
+        with self._lock:
+            if idx not in self._drawn:
+                raise ValueError(f"release({idx}): prompt {idx} is not drawn and unrecorded")
+            self._drawn.remove(idx)
+            self._again.append(idx)
 
     def record(self, idx: int, n_correct: int, n_total: int) -> None:
         """Record a scored group of prompt `idx`: n_correct of n_total rollouts correct. With "no_positive", retire
         the prompt when n_correct / n_total >= threshold (exact integers). The group itself still trains this step:
-        the caller already holds it. Integer-like arguments (numpy, 0-d torch) are taken as ints; a float raises
-        TypeError. Raises ValueError on an unknown index or impossible counts."""
+        the caller already holds it. One draw of `idx`, if any is unfinished, is finished (a
+        prompt may also be recorded without a draw). Integer-like arguments (numpy, 0-d torch) are
+        taken as ints; a float raises TypeError. Raises ValueError on an unknown index or impossible
+        counts."""
         idx, n_correct, n_total = (
             operator.index(idx),
             operator.index(n_correct),
@@ -135,6 +171,8 @@ class PromptPool:
                 f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct"
             )
         with self._lock:
+            if idx in self._drawn:
+                self._drawn.remove(idx)  # its first draw: equal indices are interchangeable
             self._correct[idx] += n_correct
             self._total[idx] += n_total
             t = self.threshold
@@ -157,7 +195,9 @@ class PromptPool:
             }
 
     def state_dict(self) -> dict:
-        """JSON-serialisable state: position in the epoch's order, retired prompts, per-prompt history."""
+        """JSON-serialisable state: position in the epoch's order, retired prompts, per-prompt
+        history, and the unfinished prompts (handed back, then drawn and not yet recorded), which a
+        restored pool serves first."""
         with self._lock:
             return {
                 "n_prompts": self.n_prompts,
@@ -167,11 +207,14 @@ class PromptPool:
                 "retired": sorted(self._retired),
                 "correct": list(self._correct),
                 "total": list(self._total),
+                "unfinished": [*self._again, *self._drawn],
             }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output; threshold and policy stay as constructed. Raises ValueError when the
-        state belongs to a different pool (n_prompts or seed differ), since the sequence could not continue."""
+        """Restore `state_dict()` output; threshold and policy stay as constructed. The saved
+        unfinished prompts are served first, in their order (a state saved before they were kept
+        has none). Raises ValueError when the state belongs to a different pool (n_prompts or seed
+        differ), since the sequence could not continue."""
         if (state["n_prompts"], state["seed"]) != (self.n_prompts, self.seed):
             raise ValueError(
                 f"state is for n_prompts={state['n_prompts']}, seed={state['seed']}; this pool has "
@@ -182,3 +225,4 @@ class PromptPool:
             self._order = self._permutation(self._epoch)
             self._retired = set(state["retired"])
             self._correct, self._total = list(state["correct"]), list(state["total"])
+            self._again, self._drawn = collections.deque(state.get("unfinished", [])), []

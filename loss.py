@@ -329,6 +329,10 @@ def policy_loss(
     (with no valid token they are 0, 0, +inf, -inf).
     Raises ValueError / TypeError on an unknown loss_type, bad shapes / dtypes, negative weights, or an old_logp
     that requires grad or shares memory with logp (rho would be identically 1).
+    Raises ValueError naming the first sample s and token position t (indices into these tensors)
+    where old_logp is NaN or +-inf on a valid token: a sampler fault, which would make the loss NaN
+    or, under CISPO's cap, pass silently as rho = cap. train.py drops such samples before the batch
+    is formed (train.drop_nonfinite_logp), so it never reaches this error.
     """
     _check(loss_type in ("cispo", "gspo", "dapo", "grpo"), f"unknown loss_type {loss_type!r}")
     _check(
@@ -351,7 +355,17 @@ def policy_loss(
         "old_logp shares memory "
         "with logp, so rho = 1 everywhere: pass the sampler's behaviour log-probs, not a detached logp",
     )
-    _check(not bool((weights < 0).any()), "weights must be >= 0")
+    valid = weights > 0  # (S, T)
+    # (S, T): a non-finite behaviour log-prob on a policy token (a sampler fault)
+    bad = valid & ~torch.isfinite(old_logp)
+    negative, nonfinite = torch.stack([(weights < 0).any(), bad.any()]).tolist()  # one host sync
+    _check(not negative, "weights must be >= 0")
+    if nonfinite:
+        s, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"old_logp is {old_logp[s, t].item()} at sample {s}, token {t} (a valid token): the "
+            "sampler's behaviour log-probs must be finite; drop that sample before the loss"
+        )
     _check(
         eps_low >= 0
         and eps_high >= 0
@@ -360,7 +374,6 @@ def policy_loss(
         and cispo_cap > 0,
         "clip widths must be >= 0 and cispo_cap > 0",
     )
-    valid = weights > 0  # (S, T)
     lp = torch.where(
         valid, logp, 0.0
     )  # (S, T) padding zeroed so nothing there reaches the loss or grads

@@ -12,7 +12,8 @@ A group consumed at trainer version t has lag t - min_version, the oldest policy
 (queue time counts); it is accepted iff lag <= k. Where this departs from the paper, and why:
 1. "Trainers wait if k steps ahead" is enforced by the producer (`may_start`): a group starts only if, counting the
    groups ahead of it, it will be consumed with lag <= k, so k = 0 is synchronous on-policy RL exactly. A group
-   overtaken by later ones (it finished late) can still exceed k: it is dropped and counted (`gen/dropped_stale`).
+   overtaken by later ones (it finished late) can still exceed k: it is dropped and counted (`gen/dropped_stale`),
+   and its prompt is handed back to the pool to be sampled again.
 2. Versions are the trainer's (`publish`'s numbers); forced phrase tokens (mask 0) do not count towards the lag.
 3. Publishes coalesce: if several arrive while one loads, only the newest loads (weights are whole snapshots).
 4. PPO-off-policy-k: k·P groups per frozen weight version, k batches per version (lags 0..k-1); a batch may be
@@ -213,7 +214,8 @@ class Pipeline:
         self.close()
 
     def get_batch(self, version: int, timeout: float | None = None) -> Batch:
-        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped and counted. Waits in
+        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped, counted, and their
+        prompts handed back to the pool (`PromptPool.release`: sampled again, not skipped). Waits in
         0.5 s slices. Raises the producer's exception (sampler, reward, data; its traceback and a note) once stored,
         TimeoutError after `timeout` s saying what the producer is doing, RuntimeError once closed. metrics:
         train/lag_min|mean|max, gen/queue_depth (left queued), gen/inflight, gen/dropped_stale, gen/tokens,
@@ -228,6 +230,7 @@ class Pipeline:
                     g for g in self._queue if not accept(version, g.min_version, self._accept_lag)
                 ]:
                     self._queue.remove(g)
+                    self.pool.release(g.index)  # never trained on: the pool serves the prompt again
                     self._outstanding, dropped, self.dropped = (
                         self._outstanding - 1,
                         dropped + 1,

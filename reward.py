@@ -14,6 +14,8 @@ Where this departs from the paper, and why:
    torch, vLLM) in every worker.
 4. `timeout` counts from when a started, free worker takes the item: the first call also waits ~1-2 s for a worker
    to start, and concurrent callers beyond WORKERS wait for a free one.
+5. LaTeX spacing inside a number ("10\\,000", "1\\;234\\;567") is removed from both answers before math-verify,
+   which reads "10\\,000" as 10 * 0; only digit grouping is undone, never two numbers merged (ungroup_digits).
 """
 
 import atexit
@@ -46,6 +48,11 @@ STATS = (
 )  # graded / timeout / worker_died / no_answer / too_long, over the process lifetime
 _LOCK = threading.Lock()  # guards STATS and the module's pool
 _BOX = re.compile(r"\\boxed\s*\{")
+# LaTeX spacing commands written between digit groups: thin, negative thin, normal, medium, thick space, ~
+_GROUP_SEP = r"(?:\\[,!: ;]|~)"
+# A grouped number: a 1-3 digit lead, then groups of exactly 3 digits, each after one spacing command; not
+# inside a longer number (no digit or decimal point before it, no digit after its last group).
+_GROUPED = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_GROUP_SEP}\d{{3}})+(?!\d)")
 _BRACE = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
@@ -73,6 +80,15 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def ungroup_digits(text: str) -> str:
+    """`text` with the LaTeX spacing that groups digits removed from each number: "10\\,000" ->
+    "10000", "1\\,234\\,567.5" -> "1234567.5"; the commands are \\, \\! \\: \\; "\\ " and ~
+    (math-verify reads "10\\,000" as 10 * 0). Only digit grouping is undone: a 1-3 digit group
+    followed by groups of exactly 3 digits, so separate numbers are never merged ("1\\, 2",
+    "12\\,34", "(1,\\ 2)" stay as they are). Decimal places grouped after the point are left alone."""
+    return _GROUPED.sub(lambda m: re.sub(_GROUP_SEP, "", m[0]), text)
+
+
 def _prepare(response: str, gold: str, thinking: bool) -> tuple[str, str] | None:
     """(gold answer, predicted answer) to grade, or None when the response scores 0 without grading."""
     gold_ans = extract_boxed(gold) if "\\boxed" in gold else gold
@@ -87,7 +103,7 @@ def _prepare(response: str, gold: str, thinking: bool) -> tuple[str, str] | None
         return _count("no_answer")
     if len(pred) > MAX_ANSWER_CHARS:
         return _count("too_long")
-    return gold_ans, pred
+    return ungroup_digits(gold_ans), ungroup_digits(pred)
 
 
 def _worker_loop() -> None:

@@ -199,6 +199,37 @@ def shard(policy: Policy, device) -> None:
     fully_shard(policy, **kw)
 
 
+def drop_nonfinite_logp(groups) -> tuple[list, int]:
+    """(groups, n): the groups without their rollouts whose behaviour log-prob (Completion.logp) is
+    NaN or +-inf on a policy token (mask True), and n, how many rollouts were dropped (logged as
+    gen/nonfinite_logp). That is a sampler fault: rho against such a log-prob is NaN or silently
+    capped, and loss.policy_loss raises on it. Runs on rank 0 before collate, so advantages and
+    aggregation weights are computed without the dropped rollouts; a group left with no rollout is
+    dropped whole. Prints one warning line per dropped rollout naming its prompt (the data index,
+    as in samples.jsonl) and the token's position in the completion. The input is not modified."""
+    kept, dropped = [], 0
+    for g in groups:
+        keep = []
+        for j, c in enumerate(g.completions):
+            bad = (c.mask & ~torch.isfinite(c.logp)).nonzero()  # (n, 1) positions in the completion
+            if len(bad):
+                t = int(bad[0, 0])
+                print(
+                    f"warning: dropped rollout {j} of prompt {g.prompt.index}: behaviour log-prob "
+                    f"{c.logp[t].item()} at completion token {t} (a sampler fault)",
+                    flush=True,
+                )
+            else:
+                keep.append(j)
+        dropped += len(g.completions) - len(keep)
+        if len(keep) == len(g.completions):
+            kept.append(g)
+        elif keep:
+            comps, rewards = [g.completions[j] for j in keep], [g.rewards[j] for j in keep]
+            kept.append(dataclasses.replace(g, completions=comps, rewards=rewards))
+    return kept, dropped
+
+
 def collate(groups, pad_id: int, args: Args) -> dict:
     """Pad a batch of groups into the trainer's tensors (rank 0; broadcast to the others). input_ids, mask (policy
     tokens of the completion), old_logp (the sampler's behaviour log-probs) are (S, T); rewards, group_ids (S,).
@@ -415,9 +446,10 @@ def main(args: Args) -> None:
     dist.broadcast_object_list(path)
     path = path[0]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    thinking = (
-        len(tokenizer.encode("</think>", add_special_tokens=False)) == 1
-    )  # a thinking chat format (Qwen3)
+    thinking = data.thinking_mode(tokenizer, args.thinking)  # from the chat template unless forced
+    if master:
+        how = "from the chat template" if args.thinking == "auto" else "forced"
+        print(f"thinking {('off', 'on')[thinking]} (--thinking {args.thinking}: {how})", flush=True)
     pad_id = (
         tokenizer.pad_token_id
         if tokenizer.pad_token_id is not None
@@ -584,12 +616,18 @@ def main(args: Args) -> None:
     metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if master else None
     samples_f = open(os.path.join(run_dir, "samples.jsonl"), "a") if master else None
 
+    first_eval = True  # the thinking format is checked once, on the run's first eval
+
     def evaluate() -> dict:
+        nonlocal first_eval
         t0 = time.perf_counter()
         m = {}
         if master:
             # the paper's metric: eval_n samples at the training temperature; greedy is logged beside it, never fitted
             m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True, progress=True)
+            if thinking and first_eval and (warning := data.thinking_warning(records)):
+                print(warning, flush=True)
+            first_eval = False
             for r in records[: args.log_samples]:
                 samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
@@ -635,9 +673,10 @@ def main(args: Args) -> None:
             if master:
                 batch = pipe.get_batch(step)
                 m = dict(batch.metrics)
+                groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
                 kept = [
                     g
-                    for g in batch.groups
+                    for g in groups
                     if not args.zero_var_filter
                     or filters.zero_variance_mask(
                         torch.tensor(g.rewards), torch.zeros(len(g.rewards))

