@@ -239,8 +239,12 @@ class Args:
     """paper A.3: 1e-15, against epsilon underflow"""
     max_grad_norm: float = 1.0
     """gradient clipping (the paper does not say)"""
+    max_tokens_per_microbatch: int = 32768
+    """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA, eager), or the
+    sum of the lengths of a packed row (flash attention); a longer sequence runs alone. 0: micro-batches of
+    --micro-batch-size sequences padded to the batch's longest (the layout before issue 11)"""
     micro_batch_size: int = 128
-    """sequences per forward/backward on each rank"""
+    """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
     """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
 

@@ -172,11 +172,12 @@ def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(t
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
 
 
-def fixed_batch(model_dir, S=8, T=14, G=4):
+def fixed_batch(model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4):
     """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's own."""
     g = torch.Generator().manual_seed(0)
+    S, T = len(lengths), max(lengths)
     input_ids = torch.randint(0, 256, (S, T), generator=g)
-    lengths = torch.tensor([14, 11, 9, 14, 12, 6, 14, 10])
+    lengths = torch.tensor(lengths)
     attention_mask = (torch.arange(T) < lengths[:, None]).long()
     mask = attention_mask.bool() & (
         torch.arange(T) >= 4
@@ -222,7 +223,7 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
             capture_output=True,
             timeout=300,
         )
-        results[n] = torch.load(tmp_path / f"out{n}.pt")
+        results[n] = torch.load(tmp_path / f"out{n}.pt")["32768:3:0"]
     # Reference: plain transformers + autograd, the paper's formulas written out (no FSDP, no chunking).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
@@ -260,6 +261,58 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
         )
 
 
+@pytest.mark.slow
+def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(tmp_path):
+    # Lengths chosen so that at a 16-token budget rank 0 runs 3 micro-batches and rank 1 only 2 (it adds an
+    # empty one: FSDP2 needs the same calls on every rank); on one rank the budget gives 5-6 micro-batches.
+    model_dir = tiny.random_model(str(tmp_path / "model"), seed=5)
+    batch = fixed_batch(model_dir, lengths=(16, 6, 6, 6, 8, 8, 7, 7))
+    torch.save(batch, tmp_path / "batch.pt")
+    layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
+    assert [
+        len(p)
+        for p in train.plan_microbatches(
+            [16, 6, 6, 6, 8, 8, 7, 7], 2, config.Args(max_tokens_per_microbatch=16), False
+        )
+    ] == [3, 2]
+    results = {}
+    for n in (1, 2):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(n),
+                os.path.join(ROOT, "tests", "dist_step.py"),
+                model_dir,
+                str(tmp_path / "batch.pt"),
+                str(tmp_path / f"out{n}.pt"),
+                *layouts,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        results[n] = torch.load(tmp_path / f"out{n}.pt")
+    ref = results[1]["0:8:0"]  # one forward / backward over the whole padded batch, one rank
+    assert ref["metrics"]["train/tokens"] == int(batch["mask"].sum())
+    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "0:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
+        got = results[n][layout]
+        for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
+            assert abs(got["metrics"][k] - ref["metrics"][k]) < 1e-5, (n, layout, k)
+        assert got["metrics"]["train/tokens"] == ref["metrics"]["train/tokens"]
+        for k, v in ref["grads"].items():
+            torch.testing.assert_close(
+                got["grads"][k], v, rtol=0, atol=1e-5, msg=f"{n} {layout} {k}"
+            )
+        for k, v in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][k], v, rtol=0, atol=1e-5)
+    assert (
+        max(v.abs().max() for v in ref["grads"].values()) > 1e-3
+    )  # the gradients compared are not ~0
+
+
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=4)
     batch = fixed_batch(model_dir)
@@ -275,7 +328,7 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         )  # a 1-rank group in this process; the variables go away with the test
     rank, world, device = train.setup_distributed()
     try:
-        args = config.Args(micro_batch_size=4)
+        args = config.Args(max_tokens_per_microbatch=28)  # 2 rows of 14 at a time
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
             lm.model.layers[1].mlp.down_proj.weight[0, 0] = float(
