@@ -194,10 +194,8 @@ def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[
     before issue 11 (rank r takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
     S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
     if budget == 0:
-        return [
-            [list(range(S))[r::world][i : i + cap] for i in range(0, len(range(r, S, world)), cap)]
-            for r in range(world)
-        ]
+        strided = [list(range(r, S, world)) for r in range(world)]
+        return [[rows[i : i + cap] for i in range(0, len(rows), cap)] for rows in strided]
     load, mine = [0] * world, [[] for _ in range(world)]
     for i in sorted(range(S), key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
@@ -302,14 +300,12 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     f64 = dict(dtype=torch.float64, device=device)
     sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho summed over tokens
     ext = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
-    bad = torch.full(
-        (), S, dtype=torch.long, device=device
-    )  # first sample with a non-finite logp or loss
+    # the first batch sample with a non-finite log-prob or loss; S: none (torchtitan's loss_is_finite)
+    bad = torch.full((), S, dtype=torch.long, device=device)
     for rows in mine:
-        width = (
-            0 if rows is None else T if not args.max_tokens_per_microbatch else lengths[rows].max()
-        )
-        mb = microbatch(batch, rows, int(width), pack, adv, weights)
+        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
+        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        mb = microbatch(batch, rows, width, pack, adv, weights)
         # pinned memory: the copies to the GPU need not wait for it
         mb = {
             k: (v.pin_memory().to(device, non_blocking=True) if cuda else v) if v is not None else v
@@ -336,18 +332,16 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
             cispo_cap=args.cispo_cap,
             validate=False,  # its value check, weights >= 0, holds by construction (aggregation_weights)
         )
-        first = torch.cat([mb["sample"], bad[None]]).amin()  # the micro-batch's first sample, or S
-        bad = torch.cat([torch.where(torch.isfinite(logp), S, mb["sample"]), bad[None]]).amin()
-        bad = torch.where(torch.isfinite(l), bad, torch.minimum(bad, first))
-        (
-            l * world
-        ).backward()  # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
+        # a non-finite log-prob blames its sample; a non-finite loss the micro-batch's first sample
+        blame = torch.cat([torch.where(torch.isfinite(logp), S, mb["sample"]), bad[None]]).amin()
+        first = torch.cat([mb["sample"], bad[None]]).amin()
+        bad = torch.where(torch.isfinite(l), blame, first)
+        # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
+        (l * world).backward()
         n = m["n_tokens"].double()
         sums += torch.stack([l.detach().double(), n, m["clip_frac"] * n, m["rho_mean"] * n])
         ext = torch.maximum(ext, torch.stack([-m["rho_min"], m["rho_max"]]).double())
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        policy.parameters(), args.max_grad_norm
-    )  # all shards
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     dist.all_reduce(sums)
     top = torch.cat([ext, -bad.double()[None]])

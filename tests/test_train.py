@@ -169,6 +169,47 @@ def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(t
     assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
+def test_packing_only_where_attention_is_varlen():
+    # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting position
+    # ids; SDPA / eager / flex would run a packed row through a dense or compiled block mask instead
+    from transformers import Qwen3Config
+
+    tiny_cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    lm = AutoModelForCausalLM.from_config(Qwen3Config(**tiny_cfg))
+    assert lm.config._attn_implementation == "sdpa" and not train.varlen_attention(lm)
+    for impl, varlen in (
+        ("eager", False),
+        ("flex_attention", False),
+        ("flash_attention_2", True),
+        ("kernels-community/flash-attn3", True),
+    ):
+        lm.config._attn_implementation = impl
+        assert train.varlen_attention(lm) == varlen, impl
+
+
+def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
+    lengths = [5, 30, 12, 7, 30, 3, 9, 12]
+    args = config.Args(max_tokens_per_microbatch=32, micro_batch_size=3)
+    padded = train.plan_microbatches(lengths, 2, args, pack=False)
+    # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples 1, 2, 6, 5
+    # (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5); padded cost = rows x longest
+    assert padded == [[[1], [2, 6], [5]], [[4], [7, 3], [0]]]
+    packed = train.plan_microbatches(lengths, 2, args, pack=True)
+    assert packed == [[[1], [2, 6, 5]], [[4], [7, 3, 0]]]  # sums 24 <= 32; 3 rows at most
+    for plan, cost in ((padded, lambda mb: len(mb) * max(lengths[i] for i in mb)), (packed, None)):
+        rows = sorted(i for rank in plan for mb in rank for i in mb)
+        assert rows == list(range(8))  # every sample exactly once
+        for mb in (mb for rank in plan for mb in rank):
+            c = cost(mb) if cost else sum(lengths[i] for i in mb)
+            assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
+    assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
+    legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
+    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
+        [[0, 2, 4], [6]],
+        [[1, 3, 5], [7]],
+    ]
+
+
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
 
 
@@ -343,6 +384,16 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
         assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
         assert not optimizer.state  # the optimizer never stepped
+        left = batch["attention_mask"].flip(1)  # left-padded rows
+        col0 = batch["mask"].clone()
+        col0[0, 0] = True
+        for bad, match in (
+            (dict(input_ids=batch["input_ids"] + 320), r"token ids must lie in \[0, V=320\)"),
+            (dict(attention_mask=left), "must be right-padded"),
+            (dict(mask=col0), r"mask\[:, 0\] is True"),
+        ):  # checked once per step on the CPU, before any compute
+            with pytest.raises(ValueError, match=match):
+                train.train_step(policy, optimizer, {**batch, **bad}, args, device)
     finally:
         train.dist.destroy_process_group()
 
