@@ -37,8 +37,8 @@ PAPER_GEN = dict(
     save_every=100,
     warmup_steps=100,
     steps=5000,
-    micro_batch_size=1,
-    activation_checkpointing=True,
+    # one micro-batch holds the longest sequence (max_model_len); short rollouts share one
+    max_tokens_per_microbatch=16384 + 128,
     data="polaris",
     temperature=1.0,
 )
@@ -68,13 +68,43 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, gpu_memory_utilization=0.5),
-    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, gpu_memory_utilization=0.6),
+    # Activation checkpointing only where memory needs it. Estimated trainer memory at one 16,512-token
+    # micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32 states sharded,
+    # bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b 116 / 18, 8b 155 / 34.
+    # Rule: off where it fits in 75% of the trainer's share of a rank-0 H200 shared with vLLM (70 GiB for
+    # 0.6b / 1.7b, 56 for 4b / 8b). On an 80 GB GPU shared with vLLM (40 GiB) pass
+    # --activation-checkpointing for 0.6b too. Not yet checked against a measured peak on a GPU.
+    "qwen3-0.6b": dict(
+        PAPER_GEN,
+        path="Qwen/Qwen3-0.6B",
+        lr=1e-6,
+        gpu_memory_utilization=0.5,
+        activation_checkpointing=False,
+    ),
+    "qwen3-1.7b": dict(
+        PAPER_GEN,
+        path="Qwen/Qwen3-1.7B",
+        lr=1e-6,
+        gpu_memory_utilization=0.5,
+        activation_checkpointing=True,
+    ),
+    "qwen3-4b": dict(
+        PAPER_GEN,
+        path="Qwen/Qwen3-4B",
+        lr=5e-7,
+        gpu_memory_utilization=0.6,
+        activation_checkpointing=True,
+    ),
     "qwen3-8b": dict(
-        PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, gpu_memory_utilization=0.6
-    ),  # paper A.3: 5e-7
-    "hf": dict(PAPER_GEN, path=None, lr=1e-6, gpu_memory_utilization=0.6),
+        PAPER_GEN,
+        path="Qwen/Qwen3-8B",
+        lr=5e-7,  # paper A.3: 5e-7
+        gpu_memory_utilization=0.6,
+        activation_checkpointing=True,
+    ),
+    "hf": dict(
+        PAPER_GEN, path=None, lr=1e-6, gpu_memory_utilization=0.6, activation_checkpointing=True
+    ),
 }
 # --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
 # settings on top of ScaleRL. A flag given on the command line wins over the recipe.
@@ -168,7 +198,7 @@ class Args:
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
     activation_checkpointing: bool = False
-    """recompute each decoder layer's activations in backward (the GPU presets: 16k-token sequences)"""
+    """recompute each decoder layer's activations in backward (the GPU presets from 1.7b up)"""
     gen_dtype: str = "auto"
     """vLLM weights dtype ("auto": bf16 on GPU)"""
     max_model_len: int = 512
