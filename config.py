@@ -68,12 +68,13 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    # Activation checkpointing only where memory needs it. Estimated trainer memory at one 16,512-token
-    # micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32 states sharded,
-    # bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b 116 / 18, 8b 155 / 34.
-    # Rule: off where it fits in 75% of the trainer's share of a rank-0 H200 shared with vLLM (70 GiB for
-    # 0.6b / 1.7b, 56 for 4b / 8b). On an 80 GB GPU shared with vLLM (40 GiB) pass
-    # --activation-checkpointing for 0.6b too. Not yet checked against a measured peak on a GPU.
+    # Activation checkpointing only where memory needs it. Estimated trainer memory at one
+    # 16,512-token micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32
+    # states sharded, bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b
+    # 116 / 18, 8b 155 / 34. Rule: off where it fits in 75% of the trainer's share of a rank-0 H200
+    # shared with vLLM (70 GiB for 0.6b / 1.7b, 56 for 4b / 8b). On an 80 GB GPU shared with vLLM
+    # (40 GiB) pass --activation-checkpointing for 0.6b too. Not yet checked against a measured peak
+    # on a GPU.
     "qwen3-0.6b": dict(
         PAPER_GEN,
         path="Qwen/Qwen3-0.6B",
@@ -270,9 +271,10 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping (the paper does not say)"""
     max_tokens_per_microbatch: int = 32768
-    """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA, eager), or the
-    sum of the lengths of a packed row (flash attention); a longer sequence runs alone. 0: micro-batches of
-    --micro-batch-size sequences padded to the batch's longest (the layout before issue 11)"""
+    """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA,
+    eager), or the sum of the lengths of a packed row (flash attention); a longer sequence runs
+    alone. 0: micro-batches of --micro-batch-size sequences padded to the batch's longest (the
+    layout before issue 11)"""
     micro_batch_size: int = 128
     """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0

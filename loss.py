@@ -39,11 +39,12 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     the same two matmuls as the naive one. The weight gradient needs the softmax again, so backward recomputes
     each chunk's logits from the saved log-partition. The largest temporary is one (chunk, V) fp32 block.
 
-    Two fp32 heads. fp32 operands: every product in fp32 (the exact path, CPU training). bf16 / fp16 hidden and
-    weight (FSDP2 mixed precision on GPU): the logits are one low-precision GEMM accumulated and returned in fp32
-    (_mm_f32: tensor cores on CUDA), and the products with the softmax (softmax @ W, dlogits.T @ hidden) take the
-    softmax in the operands' dtype, accumulated in fp32 (issue 11; measured on an H200 at N 16k, V 152k, H 4k:
-    |d logp| 3.3e-5 vs float64, against 6.2e-6 for the exact path, 9x faster).
+    Two fp32 heads. fp32 operands: every product in fp32 (the exact path, CPU training). bf16 / fp16
+    hidden and weight (FSDP2 mixed precision on GPU): the logits are one low-precision GEMM
+    accumulated and returned in fp32 (_mm_f32: tensor cores on CUDA), and the products with the
+    softmax (softmax @ W, dlogits.T @ hidden) take the softmax in the operands' dtype, accumulated
+    in fp32 (issue 11; measured on an H200 at N 16k, V 152k, H 4k: |d logp| 3.3e-5 vs float64,
+    against 6.2e-6 for the exact path, 9x faster).
     """
 
     @staticmethod
@@ -109,7 +110,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
 
 
 def _low_precision_operands(hidden, weight, head_dtype):
-    """True when an fp32 head gets bf16 / fp16 hidden and weight of one dtype: the tensor-core path."""
+    """True when an fp32 head gets bf16 / fp16 hidden and weight of one dtype (tensor cores)."""
     return (
         head_dtype == torch.float32
         and hidden.dtype == weight.dtype
@@ -118,18 +119,19 @@ def _low_precision_operands(hidden, weight, head_dtype):
 
 
 def _mm_f32(a, b):
-    """(n, k) @ (k, m) -> (n, m) fp32 from bf16 / fp16 operands, accumulated in fp32: the one device-specific call
-    of the head. CUDA: one tensor-core GEMM with fp32 output, `torch.mm(a, b, out_dtype=torch.float32)` (CUDA only
-    in torch 2.11-2.13; fp32 out from fp16 / bf16 in). Elsewhere: the same product of the exactly upcast
-    operands, so CPU tests run every other line of the CUDA path."""
+    """(n, k) @ (k, m) -> (n, m) fp32 from bf16 / fp16 operands, accumulated in fp32: the one
+    device-specific call of the head. CUDA: one tensor-core GEMM with fp32 output, `torch.mm(a, b,
+    out_dtype=torch.float32)` (CUDA only in torch 2.11-2.13; fp32 out from fp16 / bf16 in).
+    Elsewhere: the same product of the exactly upcast operands, so CPU tests run every other line of
+    the CUDA path."""
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 def _matmul(h, w_head):
-    """(c, V) fp32 logits of fp32 rows h (c, H): in fp32, or rounded through w_head's dtype (the loo-fp32
-    ablation)."""
+    """(c, V) fp32 logits of fp32 rows h (c, H): in fp32, or rounded through w_head's dtype (the
+    loo-fp32 ablation)."""
     return (
         h @ w_head.T if w_head.dtype == torch.float32 else (h.to(w_head.dtype) @ w_head.T).float()
     )
@@ -140,21 +142,23 @@ def token_logprobs(
 ):
     """Log-probabilities of `targets` under an fp32 LM head, without ever forming an (N, V) tensor (§3.2, Fig 5b).
 
-    hidden (N, H) and weight (V, H) in any float dtype, targets (N,) integer ids in [0, V). Returns logp (N,)
-    float32 = log_softmax(hidden @ weight.T / temperature)[targets], with fp32 logits, `chunk_size` rows at a
-    time. fp32 hidden and weight: every product in fp32. bf16 (or fp16) hidden and weight of one dtype, as FSDP2
-    mixed precision gives them: the logits are the exact product of the operands accumulated in fp32 (tensor cores
-    on CUDA, fp32 output), and the gradient products take the softmax rounded to that dtype, accumulated in fp32.
-    Contract: log-probs within 5e-5 of the fp32 path on the same bf16 values (tests/test_loss.py on CPU,
-    bench/gpu_trainer.py on CUDA). Gradients flow to hidden and weight in their own dtypes; a frozen weight
-    (requires_grad False) costs no weight gradient. Memory beyond the inputs: one (chunk_size, V) fp32 block,
-    (N, H) fp32 for the hidden gradient, and (V, H) fp32 for a trainable weight (and for an fp32 copy of a bf16
-    weight under head_dtype=bf16).
-    head_dtype=torch.bfloat16 (or float16) rounds the logits to that dtype instead, then log-softmax in fp32: the
-    paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
-    Raises ValueError / TypeError on bad shapes, dtypes, devices, temperature, chunk_size or head_dtype, and on ids
-    outside [0, V) when targets are on the CPU (on an accelerator that scan would cost a host sync on every call:
-    train.train_step checks the whole batch's ids once per step on the CPU instead).
+    hidden (N, H) and weight (V, H) in any float dtype, targets (N,) integer ids in [0, V). Returns
+    logp (N,) float32 = log_softmax(hidden @ weight.T / temperature)[targets], with fp32 logits,
+    `chunk_size` rows at a time. fp32 hidden and weight: every product in fp32. bf16 (or fp16)
+    hidden and weight of one dtype, as FSDP2 mixed precision gives them: the logits are the exact
+    product of the operands accumulated in fp32 (tensor cores on CUDA, fp32 output), and the
+    gradient products take the softmax rounded to that dtype, accumulated in fp32. Contract:
+    log-probs within 5e-5 of the fp32 path on the same bf16 values (tests/test_loss.py on CPU,
+    bench/gpu_trainer.py on CUDA). Gradients flow to hidden and weight in their own dtypes; a frozen
+    weight (requires_grad False) costs no weight gradient. Memory beyond the inputs: one
+    (chunk_size, V) fp32 block, (N, H) fp32 for the hidden gradient, and (V, H) fp32 for a trainable
+    weight (and for an fp32 copy of a bf16 weight under head_dtype=bf16).
+    head_dtype=torch.bfloat16 (or float16) rounds the logits to that dtype instead, then log-softmax
+    in fp32: the paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
+    Raises ValueError / TypeError on bad shapes, dtypes, devices, temperature, chunk_size or
+    head_dtype, and on ids outside [0, V) when targets are on the CPU (on an accelerator that scan
+    would cost a host sync on every call: train.train_step checks the whole batch's ids once per
+    step on the CPU instead).
     """
     _check(
         head_dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -357,10 +361,11 @@ def policy_loss(
     rho_mean / rho_min / rho_max = token rho over valid tokens; n_tokens = number of valid tokens. To combine
     micro-batches or ranks, weight clip_frac and rho_mean by n_tokens, reduce rho_min / rho_max by min / max
     (with no valid token they are 0, 0, +inf, -inf).
-    Raises ValueError / TypeError on an unknown loss_type, bad shapes / dtypes, negative weights, or an old_logp
-    that requires grad or shares memory with logp (rho would be identically 1). validate=False skips the checks
-    that read every value (weights >= 0), each a host sync on an accelerator: for a caller that ran them once on
-    the whole batch (train.train_step does, on the CPU, per step) and then calls this per micro-batch.
+    Raises ValueError / TypeError on an unknown loss_type, bad shapes / dtypes, negative weights, or
+    an old_logp that requires grad or shares memory with logp (rho would be identically 1).
+    validate=False skips the checks that read every value (weights >= 0), each a host sync on an
+    accelerator: for a caller that ran them once on the whole batch (train.train_step does, on the
+    CPU, per step) and then calls this per micro-batch.
     """
     _check(loss_type in ("cispo", "gspo", "dapo", "grpo"), f"unknown loss_type {loss_type!r}")
     _check(

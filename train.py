@@ -87,20 +87,21 @@ def setup_distributed():
 
 
 class Policy(torch.nn.Module):
-    """The causal LM as the loss sees it: forward returns the log-probs of chosen tokens, (N,) float32, the head in
-    fp32 (§3.2; from bf16 operands at tensor-core speed under FSDP2 mixed precision on GPU) or, with
-    fp32_head=False, in the model's compute dtype. The head runs inside this module's forward, so FSDP2 gathers and
-    reduces its weight like any other."""
+    """The causal LM as the loss sees it: forward returns the log-probs of chosen tokens, (N,)
+    float32, the head in fp32 (§3.2; from bf16 operands at tensor-core speed under FSDP2 mixed
+    precision on GPU) or, with fp32_head=False, in the model's compute dtype. The head runs inside
+    this module's forward, so FSDP2 gathers and reduces its weight like any other."""
 
     def __init__(self, lm, fp32_head: bool):
         super().__init__()
         self.lm, self.fp32_head = lm, fp32_head
 
     def forward(self, input_ids, attention_mask, position_ids, pred, targets, temperature: float):
-        """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is padded: causal
-        attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several sequences with position_ids
-        (1, C) restarting at 0 for each and no mask. pred (N,) long: flat indices into the R * C positions whose
-        hidden state predicts targets (N,) long. Returns logp (N,) float32."""
+        """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
+        padded: causal attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several
+        sequences with position_ids (1, C) restarting at 0 for each and no mask. pred (N,) long:
+        flat indices into the R * C positions whose hidden state predicts targets (N,) long. Returns
+        logp (N,) float32."""
         decoder = self.lm.get_decoder()
         hidden = decoder(
             input_ids=input_ids,
@@ -175,23 +176,26 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def varlen_attention(lm) -> bool:
-    """True when the model's attention runs a packed row (sequences back to back, position ids restarting at 0)
-    as separate sequences: transformers' flash-attention implementations read cu_seqlens off the position ids.
-    SDPA and eager compute a packed row correctly too, but through a dense (C, C) block-diagonal mask over the
-    whole row (transformers 5.19 masking_utils.find_packed_sequence_indices), which costs more than padding, so
-    they get length-sorted padded micro-batches instead. Same rule as transformers.utils.generic.
-    is_flash_attention_requested; config._attn_implementation is where transformers keeps the choice."""
+    """True when the model's attention runs a packed row (sequences back to back, position ids
+    restarting at 0) as separate sequences: transformers' flash-attention implementations read
+    cu_seqlens off the position ids. SDPA and eager compute a packed row correctly too, but through
+    a dense (C, C) block-diagonal mask over the whole row (transformers 5.19
+    masking_utils.find_packed_sequence_indices), which costs more than padding, so they get
+    length-sorted padded micro-batches instead. Same rule as transformers.utils.generic.
+    is_flash_attention_requested; config._attn_implementation is where transformers keeps the
+    choice."""
     return "flash" in (lm.config._attn_implementation or "")
 
 
 def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[list[int]]]:
-    """Which samples each rank runs in which micro-batch: plan[rank][i] is a list of batch row indices.
-    lengths: tokens per sample (prompt + completion). Samples go to ranks longest first, each to the rank with
-    the fewest tokens so far; each rank's samples, longest first, fill a micro-batch while its computed tokens
-    (packed: the sum of lengths; padded: rows x the longest) stay within --max-tokens-per-microbatch and its
-    rows within --micro-batch-size. A sample longer than the budget runs alone. Every rank holds the whole batch,
-    so every rank computes the same plan without communicating. --max-tokens-per-microbatch 0: the layout
-    before issue 11 (rank r takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
+    """Which samples each rank runs in which micro-batch: plan[rank][i] is a list of batch row
+    indices. lengths: tokens per sample (prompt + completion). Samples go to ranks longest first,
+    each to the rank with the fewest tokens so far; each rank's samples, longest first, fill a
+    micro-batch while its computed tokens (packed: the sum of lengths; padded: rows x the longest)
+    stay within --max-tokens-per-microbatch and its rows within --micro-batch-size. A sample longer
+    than the budget runs alone. Every rank holds the whole batch, so every rank computes the same
+    plan without communicating. --max-tokens-per-microbatch 0: the layout before issue 11 (rank r
+    takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
     S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
     if budget == 0:
         strided = [list(range(r, S, world)) for r in range(world)]
@@ -216,11 +220,12 @@ def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[
 
 
 def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
-    """One micro-batch's CPU tensors from a right-padded batch (collate): the model input (Policy.forward's
-    arguments: padded rows cut to `width` columns, or packed into one row) and the loss layout (s, width):
-    old_logp, weights (s, width), adv (s,), dst (N,) where each of the N log-probs goes in it, sample (N,) each
-    token's batch row. rows None: an empty micro-batch, one zero-weight token, for a rank with fewer than the
-    others (FSDP2 needs the same forward / backward calls on every rank)."""
+    """One micro-batch's CPU tensors from a right-padded batch (collate): the model input
+    (Policy.forward's arguments: padded rows cut to `width` columns, or packed into one row) and the
+    loss layout (s, width): old_logp, weights (s, width), adv (s,), dst (N,) where each of the N
+    log-probs goes in it, sample (N,) each token's batch row. rows None: an empty micro-batch, one
+    zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
+    backward calls on every rank)."""
     if rows is None:
         S, one = len(adv), torch.ones(1, dtype=torch.long)
         return dict(
@@ -264,13 +269,14 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
 
 
 def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
-    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation weights are
-    computed on the whole batch (§4), each rank runs its share of the samples in micro-batches
-    (plan_microbatches: token-budgeted, trimmed to their own length, packed where the attention kernel is
-    varlen), and the shares sum to the full-batch loss. Metrics and the finiteness flag stay on the device until
-    one transfer after backward. Returns the step's metrics, reduced over ranks. Raises ValueError on a batch
-    that is not right-padded or has token ids outside the vocabulary, and FloatingPointError on every rank,
-    before the weights change, if a log-prob, the loss or the gradient norm is not finite."""
+    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation
+    weights are computed on the whole batch (§4), each rank runs its share of the samples in
+    micro-batches (plan_microbatches: token-budgeted, trimmed to their own length, packed where the
+    attention kernel is varlen), and the shares sum to the full-batch loss. Metrics and the
+    finiteness flag stay on the device until one transfer after backward. Returns the step's
+    metrics, reduced over ranks. Raises ValueError on a batch that is not right-padded or has token
+    ids outside the vocabulary, and FloatingPointError on every rank, before the weights change, if
+    a log-prob, the loss or the gradient norm is not finite."""
     rank, world = dist.get_rank(), dist.get_world_size()
     adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
     weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
@@ -294,13 +300,13 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
         )
     pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
     plan = plan_microbatches(lengths.tolist(), world, args, pack)
-    # FSDP2: every rank runs the same number of forward / backward calls; a short rank adds empty ones
+    # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
     mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
     cuda = device.type == "cuda"
     f64 = dict(dtype=torch.float64, device=device)
     sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho summed over tokens
     ext = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
-    # the first batch sample with a non-finite log-prob or loss; S: none (torchtitan's loss_is_finite)
+    # first batch sample with a non-finite log-prob or loss, S if none (torchtitan's loss_is_finite)
     bad = torch.full((), S, dtype=torch.long, device=device)
     for rows in mine:
         trimmed = rows is not None and args.max_tokens_per_microbatch > 0
@@ -330,7 +336,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
             eps_low=args.eps_low,
             eps_high=args.eps_high,
             cispo_cap=args.cispo_cap,
-            validate=False,  # its value check, weights >= 0, holds by construction (aggregation_weights)
+            validate=False,  # its one value check, weights >= 0, holds by construction
         )
         # a non-finite log-prob blames its sample; a non-finite loss the micro-batch's first sample
         blame = torch.cat([torch.where(torch.isfinite(logp), S, mb["sample"]), bad[None]]).amin()

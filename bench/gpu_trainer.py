@@ -1,30 +1,35 @@
-"""Benchmark on one GPU: train.py's own trainer (Policy, shard, train_step) and the fp32 LM head (issue 11).
+"""Benchmark on one GPU: train.py's own trainer (Policy, shard, train_step) and its fp32 LM head.
 
-Needs torch >= 2.11 and transformers only: vLLM and tyro, which `import train` pulls in, are stubbed when they are
-not installed (the trainer never calls them). No download: random weights from a Qwen3Config.
-1. LM head, fwd + bwd with a trainable head at N 16,384, V 151,936, H 4,096 (Qwen3-8B): loss.token_logprobs
-   with bf16 operands (the GPU path: fp32-accumulated GEMMs, fp32 logits) against the same call on the fp32
-   upcast operands (the exact fp32 path, the baseline) and with bf16 logits (the loo-fp32 ablation); errors
-   against a float64 reference. Contract: |d logp| <= 5e-5 against the fp32 path; target <= 0.25 s.
-2. Train step: a 1-rank process group, train.Policy + train.shard (FSDP2, bf16 params, fp32 reduce on GPU),
-   AdamW, and train.train_step on a batch of --seqs variable-length sequences drawn like the preset's rollouts
-   (prompt U[64, 512] tokens, completion U[256, think_budget[1] + answer_budget]), for two shapes:
-   `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b preset's settings, and `8b-8l` = 8 of
-   Qwen3-8B's 36 layers (untied head) with the qwen3-8b preset's. Variants, measured in the same run:
-   `before` = the trainer as it was before issue 11 (one sequence per micro-batch padded to the batch's
-   longest, activation checkpointing, the fp32 head on fp32-upcast operands: loss._low_precision_operands
-   patched to False), `after` = the preset's settings, `after-noac` = the same without activation
-   checkpointing. MFU = model flops / step time / --peak-tflops, model flops = 6 x (decoder parameters x
-   tokens + head parameters x predicted tokens) + causal attention 6 x layers x heads x head_dim x sum of
-   squared lengths; activation recompute is not counted. Peak memory = max allocated over the timed steps,
-   printed beside the estimate that config.py's presets are chosen by (memory_estimate below).
+Needs torch >= 2.11 and transformers only: vLLM and tyro, which `import train` pulls in, are stubbed
+when they are not installed (the trainer never calls them). No download: random weights from a
+Qwen3Config. Issue 11; a GPU run's numbers go in the README.
+1. LM head, fwd + bwd with a trainable head at N 16,384, V 151,936, H 4,096 (Qwen3-8B):
+   loss.token_logprobs with bf16 operands (the GPU path: fp32-accumulated GEMMs, fp32 logits)
+   against the same call on the fp32-upcast operands (the exact fp32 path, the baseline) and with
+   bf16 logits (the loo-fp32 ablation); errors against a float64 reference. Contract: |d logp| <=
+   5e-5 against the fp32 path. Target: <= 0.25 s.
+2. Train step: a 1-rank process group, train.Policy + train.shard (FSDP2, bf16 params, fp32 reduce
+   on GPU), AdamW, and train.train_step on a batch of --seqs variable-length sequences drawn like
+   the preset's rollouts (prompt U[64, 512] tokens, completion U[256, think_budget[1] +
+   answer_budget]), for two shapes: `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b
+   preset's settings, `8b-8l` = 8 of Qwen3-8B's 36 layers (untied head) with the qwen3-8b
+   preset's. Variants, measured in the same run: `before` = the trainer's layout and head before
+   issue 11 (one sequence per micro-batch padded to the batch's longest, activation
+   checkpointing, the fp32 head on fp32-upcast operands: loss._low_precision_operands patched to
+   False; its per-micro-batch host syncs are not restored), `after` = the preset's settings,
+   `after-noac` = the same without activation checkpointing (where the preset has it).
+   MFU = model flops / step time / --peak-tflops; model flops = 6 x (decoder parameters x tokens +
+   head parameters x predicted tokens) + causal attention, 6 x layers x heads x head_dim x the sum
+   of squared lengths; activation recompute is not counted. Targets (issue 11): 8b-8l >= 35%,
+   0.6b >= 25%. Peak memory = max allocated over the timed steps, printed beside the estimate that
+   config.py's presets are chosen by (memory_estimate).
 3. --plan: that estimate for every GPU preset at its micro-batch token budget (no GPU needed).
 
-    python bench/gpu_trainer.py                      # one H200: head, then 0.6b and 8b-8l (not yet run)
-    python bench/gpu_trainer.py --only head          # part 1 only (~1 min)
+    python bench/gpu_trainer.py                # one H200: head, then 0.6b and 8b-8l (not yet run)
+    python bench/gpu_trainer.py --only head    # part 1 only
     python bench/gpu_trainer.py --shapes 0.6b --variants after --seqs 16
-    python bench/gpu_trainer.py --plan               # the activation-memory estimate behind the presets
-    python bench/gpu_trainer.py --tiny               # CPU smoke test of every part at toy sizes (~1 min)
+    python bench/gpu_trainer.py --plan         # the activation-memory estimate behind the presets
+    python bench/gpu_trainer.py --tiny         # CPU smoke test of every part at toy sizes (~2 min)
 """
 
 import argparse
@@ -46,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a missing vllm / tyro as a MagicMock: `import train` needs them, train_step never calls them."""
+    """Imports a missing vllm / tyro as a MagicMock: `import train` needs them, train_step never
+    calls them."""
 
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in ("vllm", "tyro"):
@@ -68,7 +74,8 @@ import config  # noqa: E402
 import loss  # noqa: E402
 import train  # noqa: E402
 
-# Qwen3 shapes (Hugging Face configs): layers, hidden, intermediate, heads, kv heads, head dim, vocab, tied head
+# Qwen3 shapes (Hugging Face configs): layers, hidden, intermediate, heads, kv heads, head dim,
+# vocab, tied head
 QWEN3 = {
     "qwen3-0.6b": (28, 1024, 3072, 16, 8, 128, 151_936, True),
     "qwen3-1.7b": (28, 2048, 6144, 16, 8, 128, 151_936, True),
@@ -87,12 +94,13 @@ def n_params(shape):
 
 
 def activation_bytes_per_token(shape, checkpointing):
-    """Bytes autograd keeps per token, bf16 compute, SDPA without a mask (with a padding mask GQA's k and v are
-    repeated first: + 4 (heads - kv) x head_dim). Per decoder layer: 2 RMSNorms x 8 H (fp32 input copy, bf16
-    normed, bf16 output), q and k norms 8 (q + k) (q = heads x head_dim, k = kv x head_dim), RoPE outputs
-    2 (q + k), v 2 k, the attention output twice (SDPA's and o_proj's contiguous input) 4 q, the SwiGLU MLP
-    8 x intermediate (gate, up, silu(gate), product). Checkpointing keeps each layer's bf16 input (2 H) plus one
-    layer's activations while it recomputes."""
+    """Bytes autograd keeps per token, bf16 compute, SDPA without a mask (with a padding mask GQA's
+    k and v are repeated first: + 4 (heads - kv) x head_dim). Per decoder layer: 2 RMSNorms x 8 H
+    (fp32 input copy, bf16 normed, bf16 output), q and k norms 8 (q + k) (q = heads x head_dim, k =
+    kv x head_dim), RoPE outputs 2 (q + k), v 2 k, the attention output twice (SDPA's and o_proj's
+    contiguous input) 4 q, the SwiGLU MLP 8 x intermediate (gate, up, silu(gate), product).
+    Checkpointing keeps each layer's bf16 input (2 H) plus one layer's activations while it
+    recomputes."""
     L, H, inter, heads, kv, d, V, tied = shape
     q, k = heads * d, kv * d
     layer = 16 * H + 14 * q + 12 * k + 8 * inter
@@ -100,10 +108,11 @@ def activation_bytes_per_token(shape, checkpointing):
 
 
 def memory_estimate(shape, tokens, ranks, checkpointing, chunk=1024):
-    """GiB on one trainer GPU for a micro-batch of `tokens` tokens: fp32 weights, gradients and AdamW moments
-    sharded over `ranks` (16 B / parameter), activations (above), and the head's transients: the unsharded bf16
-    embedding / head, their fp32 gradients and the head's fp32 (V, H) product, one (chunk, V) block of fp32
-    logits and its bf16 softmax. Allocator slack and the CUDA context (~1-2 GiB) are not included."""
+    """GiB on one trainer GPU for a micro-batch of `tokens` tokens: fp32 weights, gradients and
+    AdamW moments sharded over `ranks` (16 B / parameter), activations (above), and the head's
+    transients: the unsharded bf16 embedding / head, their fp32 gradients and the head's fp32 (V, H)
+    product, one (chunk, V) block of fp32 logits and its bf16 softmax. Allocator slack and the CUDA
+    context (~1-2 GiB) are not included."""
     body, emb, head = n_params(shape)
     V, H = shape[6], shape[1]
     states = 16 * (body + emb + head) / ranks
@@ -113,13 +122,15 @@ def memory_estimate(shape, tokens, ranks, checkpointing, chunk=1024):
 
 
 def plan():
-    """Part 3: the estimate behind config.py's activation_checkpointing choices, per GPU preset. Rule: no
-    checkpointing where the estimate without it fits in 75% of the trainer's share of a rank-0 H200 that it
-    shares with vLLM (the default topology), the rest left for the allocator, the CUDA context and NCCL."""
+    """Part 3: the estimate behind config.py's activation_checkpointing choices, per GPU preset.
+    Rule: no checkpointing where the estimate without it fits in 75% of the trainer's share of a
+    rank-0 H200 that it shares with vLLM (the default topology), the rest left for the allocator,
+    the CUDA context and NCCL."""
     gpus = {"H200": 143_771 * 2**20 / GiB, "H100-80GB": 81_559 * 2**20 / GiB}  # total memory, GiB
     print(
-        "| preset | tokens / micro-batch | activations, no AC / AC (GiB) | total on 1 of 8 ranks, no AC / "
-        "AC (GiB) | trainer share of a shared rank-0 H200 / H100-80GB (GiB) | AC by the rule | preset |"
+        "| preset | tokens / micro-batch | activations, no AC / AC (GiB) | total on 1 of 8 ranks, "
+        "no AC / AC (GiB) | trainer share of a shared rank-0 H200 / H100-80GB (GiB) | AC by the "
+        "rule | preset |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, shape in QWEN3.items():
@@ -154,7 +165,8 @@ def reset_peak(device):
 
 
 def reference_f64(h, w, t, g, chunk=1024):
-    """float64 logp (N,), d(g . logp)/dh (N, H) and /dW (V, H), chunked, from the formulas (no autograd)."""
+    """float64 logp (N,), d(g . logp)/dh (N, H) and /dW (V, H), chunked, from the formulas (no
+    autograd)."""
     w64 = w.double()
     logp, gh, gw = (
         [],
@@ -173,7 +185,8 @@ def reference_f64(h, w, t, g, chunk=1024):
 
 
 def part_head(a, device):
-    """Part 1: {variant: (seconds, max |d logp| vs f64, vs the fp32 path, rel. grad_h, rel. grad_W)}."""
+    """Part 1: {variant: (seconds, max |d logp| vs f64, vs the fp32 path, rel. grad_h, rel.
+    grad_W)}."""
     N, V, H = (512, 1000, 64) if a.tiny else (16_384, 151_936, 4096)
     gen = torch.Generator(device).manual_seed(0)
     h = torch.randn(N, H, device=device, generator=gen).bfloat16()
@@ -208,8 +221,9 @@ def part_head(a, device):
         err = (logp - ref[0]).abs().max().item(), (logp - fp32_logp).abs().max().item()
         out[name] = (min(times[1:]), *err, *rel)
         print(
-            f"head {name:28s} fwd+bwd {out[name][0] * 1e3:8.1f} ms | max|d logp| vs f64 {err[0]:.1e}, "
-            f"vs fp32 path {err[1]:.1e} | rel. err grad_h {rel[0]:.1e} grad_W {rel[1]:.1e}",
+            f"head {name:28s} fwd+bwd {out[name][0] * 1e3:8.1f} ms | max|d logp| vs f64 "
+            f"{err[0]:.1e}, vs fp32 path {err[1]:.1e} | rel. err grad_h {rel[0]:.1e} "
+            f"grad_W {rel[1]:.1e}",
             flush=True,
         )
         del hh, ww, logp
@@ -362,8 +376,8 @@ def main():
             rows.append(
                 (
                     f"head fwd+bwd N {N} V {V} H {H}: {name}",
-                    f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} vs f64, "
-                    f"{e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
+                    f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} "
+                    f"vs f64, {e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
                 )
             )
         ok = head["bf16 operands, fp32 logits"][2] <= 5e-5
@@ -386,8 +400,9 @@ def main():
                 rows.append(
                     (
                         f"train step {name} {v}: {r['desc']}",
-                        f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; MFU {r['mfu']:.1%}; "
-                        f"peak {r['peak_gib']:.1f} GiB (estimate {r['est_gib']:.1f})",
+                        f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
+                        f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB "
+                        f"(estimate {r['est_gib']:.1f})",
                     )
                 )
     train.dist.destroy_process_group()

@@ -2,10 +2,11 @@
 
     torchrun --nproc_per_node N tests/dist_step.py MODEL_DIR BATCH.pt OUT.pt [LAYOUT ...]
 
-LAYOUT = BUDGET:ROWS:PACK sets --max-tokens-per-microbatch BUDGET, --micro-batch-size ROWS and, with PACK 1,
-packs micro-batches into one row as if the attention kernel were varlen (SDPA computes a packed row exactly,
-through a block-diagonal mask). Default: one layout, 32768:3:0. Each layout starts from the same weights. Rank 0
-saves {LAYOUT: {"metrics", "weights" (full, after the step), "grads" (full, clipped, before AdamW)}} to OUT.pt.
+LAYOUT = BUDGET:ROWS:PACK sets --max-tokens-per-microbatch BUDGET, --micro-batch-size ROWS and, with
+PACK 1, packs micro-batches into one row as if the attention kernel were varlen (SDPA computes a
+packed row exactly, through a block-diagonal mask). Default: one layout, 32768:3:0. Each layout
+starts from the same weights. Rank 0 saves {LAYOUT: {"metrics", "weights" (full, after the step),
+"grads" (full, clipped, before AdamW)}} to OUT.pt.
 """
 
 import os

@@ -1,17 +1,18 @@
 """Pins loss.py against references written here, independently, in numpy / float64 torch or by hand.
 
 token_logprobs: matches float64 log_softmax(hidden @ weight.T / T) to 1e-5 (several chunk sizes and
-temperatures), float32 output and input-dtype gradients for bf16, the bf16-operand (GPU) head within 5e-5 of the
-fp32 path on log-probs and 5e-3 relative on gradients, gradients equal naive autograd, a frozen head
-gets no gradient and no (V, H) work, and no (N, V) tensor is ever created (checked against the naive path, which
-does create one). completion_logprobs: the shift-by-one alignment of a padded batch. group_advantages: exact 0
-for zero-variance groups even from float residue (eight 0.35s in float32), the three normalizations by hand.
-aggregation_weights: prompt / sample / token weights on unequal-length groups equal the paper's formulas and
-differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss: every loss type against a
-numpy reference of value and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the
-gradient above the cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's
-ratio ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached logp.
-Every public function raises a clear error on bad shapes and dtypes.
+temperatures), float32 output and input-dtype gradients for bf16, the bf16-operand (GPU) head within
+5e-5 of the fp32 path on log-probs and 5e-3 relative on gradients, gradients equal naive autograd, a
+frozen head gets no gradient and no (V, H) work, and no (N, V) tensor is ever created (checked
+against the naive path, which does create one). completion_logprobs: the shift-by-one alignment of a
+padded batch. group_advantages: exact 0 for zero-variance groups even from float residue (eight
+0.35s in float32), the three normalizations by hand. aggregation_weights: prompt / sample / token
+weights on unequal-length groups equal the paper's formulas and differ, and micro-batch shares sum
+to the full-batch loss and gradient. policy_loss: every loss type against a numpy reference of value
+and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the gradient above the
+cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's ratio
+ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached
+logp. Every public function raises a clear error on bad shapes and dtypes.
 """
 
 import math
@@ -139,9 +140,10 @@ def test_token_logprobs_bf16_gives_float32_logp_and_input_dtype_grads():
 
 
 def test_bf16_operand_head_is_within_its_contract_of_the_fp32_path(monkeypatch):
-    # The GPU head (issue 11): bf16 hidden and weight, fp32 logits from one fp32-accumulated GEMM, softmax rounded
-    # to bf16 in the gradient GEMMs. On the CPU only loss._mm_f32's one call differs from CUDA (an upcast product
-    # instead of torch.mm(out_dtype=float32)); bench/gpu_trainer.py checks the same contract on CUDA.
+    # The GPU head (issue 11): bf16 hidden and weight, fp32 logits from one fp32-accumulated GEMM,
+    # softmax rounded to bf16 in the gradient GEMMs. On the CPU only loss._mm_f32's one call differs
+    # from CUDA (an upcast product instead of torch.mm(out_dtype=float32)); bench/gpu_trainer.py
+    # checks the same contract on CUDA.
     calls = []
     mm = loss._mm_f32
     monkeypatch.setattr(loss, "_mm_f32", lambda a, b: calls.append((a.dtype, b.dtype)) or mm(a, b))
@@ -176,8 +178,8 @@ def test_bf16_operand_head_is_within_its_contract_of_the_fp32_path(monkeypatch):
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
-    # bf16 gradients: rounding the output alone costs ~1e-3 relative; the bf16 softmax adds about as much
-    # (measured 1.8e-3 hidden / 2.3e-3 weight here, 2.3e-3 on an H200 at N 16k, V 152k, H 4k)
+    # bf16 gradients: rounding the output alone costs ~1e-3 relative; the bf16 softmax adds about as
+    # much (measured 1.8e-3 hidden / 2.3e-3 weight here, 2.3e-3 on an H200 at N 16k, V 152k, H 4k)
     for got, fp32, want in ((low[1], exact[1], h64.grad), (low[2], exact[2], w64.grad)):
         assert rel(got, want) <= 5e-3 and rel(got, fp32.double()) <= 5e-3
         assert rel(fp32, want) <= 1e-6  # the fp32 path: fp32 accuracy

