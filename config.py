@@ -334,6 +334,10 @@ def validate(args: Args, world: int) -> None:
         ),
         (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
         (
+            args.max_tokens_per_microbatch >= 0 and args.micro_batch_size >= 1,
+            "--max-tokens-per-microbatch must be >= 0 and --micro-batch-size >= 1",
+        ),
+        (
             args.group_size % world == 0,
             f"--group-size {args.group_size} must divide across {world} ranks",
         ),

@@ -139,6 +139,8 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         (["--recipe", "nope"], 1, "unknown --recipe 'nope'"),
         (["--model", "/no/such/dir"], 1, "does not exist"),
         (["--group-size", "5"], 2, "must divide across 2 ranks"),
+        (["--max-tokens-per-microbatch", "-1"], 1, "--max-tokens-per-microbatch must be >= 0"),
+        (["--micro-batch-size", "0"], 1, "--micro-batch-size >= 1"),
         (["--think-budget", "400", "480"], 1, "--max-model-len 512"),
         (["--think-budget", "50", "40"], 1, "needs 0 < lo <= hi"),
         (
