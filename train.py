@@ -254,8 +254,8 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
         )
     else:
         offset = torch.arange(len(rows)) * width
-        model = dict(input_ids=ids, attention_mask=None if real.all() else real.long())
-        model["position_ids"] = None
+        mask_or_none = None if real.all() else real.long()  # no mask: causal, SDPA's flash kernel
+        model = dict(input_ids=ids, attention_mask=mask_or_none, position_ids=None)
     return dict(
         model,
         pred=offset[r] + t - 1,  # token t is predicted from position t - 1 of its own sequence
