@@ -37,8 +37,8 @@ PAPER_GEN = dict(
     save_every=100,
     warmup_steps=100,
     steps=5000,
-    micro_batch_size=1,
-    activation_checkpointing=True,
+    # one micro-batch holds the longest sequence (max_model_len); short rollouts share one
+    max_tokens_per_microbatch=16384 + 128,
     # one vLLM engine per generator GPU (dp = their number): up to 8B the bf16 weights fit one GPU
     # with room for KV cache, and data parallelism adds decoding throughput without tensor
     # parallelism's all-reduces
@@ -72,11 +72,19 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6),
-    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6),
-    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7),
-    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7),  # paper A.3: 5e-7
-    "hf": dict(PAPER_GEN, path=None, lr=1e-6),
+    # Activation checkpointing only where memory needs it. Estimated trainer memory at one
+    # 16,512-token micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32
+    # states sharded, bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b
+    # 116 / 18, 8b 155 / 34. Rule: off where it fits in 75% of an 80 GB trainer GPU (60 GiB; the
+    # default placement gives vLLM GPUs of its own): 0.6b off, 1.7b (at the edge), 4b and 8b on.
+    # With --share-gpu vLLM takes half of rank 0's GPU: pass --activation-checkpointing for 0.6b
+    # too. Not yet checked against a measured peak on a GPU.
+    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, activation_checkpointing=False),
+    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, activation_checkpointing=True),
+    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
+    # paper A.3: lr 5e-7
+    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, activation_checkpointing=True),
+    "hf": dict(PAPER_GEN, path=None, lr=1e-6, activation_checkpointing=True),
 }
 # --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
 # settings on top of ScaleRL. A flag given on the command line wins over the recipe.
@@ -175,7 +183,7 @@ class Args:
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
     activation_checkpointing: bool = False
-    """recompute each decoder layer's activations in backward (the GPU presets: 16k-token sequences)"""
+    """recompute each decoder layer's activations in backward (the GPU presets from 1.7b up)"""
     gen_dtype: str = "auto"
     """vLLM weights dtype ("auto": bf16 on GPU)"""
     max_model_len: int = 512
@@ -248,8 +256,13 @@ class Args:
     """paper A.3: 1e-15, against epsilon underflow"""
     max_grad_norm: float = 1.0
     """gradient clipping (the paper does not say)"""
+    max_tokens_per_microbatch: int = 32768
+    """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA,
+    eager), or the sum of the lengths of a packed row (flash attention); a longer sequence runs
+    alone. 0: micro-batches of --micro-batch-size sequences padded to the batch's longest (the
+    layout before issue 11)"""
     micro_batch_size: int = 128
-    """sequences per forward/backward on each rank"""
+    """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
     """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
 
@@ -306,6 +319,10 @@ def validate(args: Args, world: int) -> None:
             f"phrase + answer_budget = {need}",
         ),
         (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
+        (
+            args.max_tokens_per_microbatch >= 0 and args.micro_batch_size >= 1,
+            "--max-tokens-per-microbatch must be >= 0 and --micro-batch-size >= 1",
+        ),
         (
             args.group_size % world == 0,
             f"--group-size {args.group_size} must divide across {world} ranks",

@@ -65,9 +65,8 @@ def trainer_bytes(
     shape: Shape, *, world: int, tokens: int, checkpointing: bool, fp32_head: bool = True
 ) -> dict[str, int]:
     """Estimated peak bytes of one trainer GPU (module docstring, 1): params, grads, adamw (sharded
-    over `world` ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens` =
-    micro_batch x max_model_len, with or without activation checkpointing), head (the LM head's
-    transients), context."""
+    over `world` ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens`, with
+    or without activation checkpointing), head (the LM head's transients), context."""
     H, V = shape.hidden, shape.vocab
     per_token_layer = 2 * (6 * H + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate)
     layer_params = (shape.params - V * H * (1 if shape.tied else 2) - H) // shape.layers
@@ -197,7 +196,7 @@ def plan(
     share_gpu: bool,
     tp: int,
     utilization: float | None,
-    micro_batch: int,
+    microbatch_tokens: int,
     max_model_len: int,
     checkpointing: bool,
     fp32_head: bool,
@@ -218,8 +217,8 @@ def plan(
     one's memory; world: trainer ranks in all; local_world: those on rank 0's node (visible GPUs
     0..local_world-1); generator_gpus: visible indices, or None for the default placement;
     share_gpu: allow (and by default use) trainer GPUs for the generator; utilization: vLLM's share
-    (None: DEDICATED_ or SHARED_UTILIZATION); micro_batch x max_model_len: tokens per trainer
-    forward; dtype_bytes: the sampler's weight dtype; P, G, k, mode, max_inflight: see
+    (None: DEDICATED_ or SHARED_UTILIZATION); microbatch_tokens: tokens per trainer forward (the
+    micro-batch token budget); dtype_bytes: the sampler's weight dtype; P, G, k, mode, max_inflight: see
     `max_num_seqs`; kv_cache_bytes: the CPU engine's KV cache; argv: train.py's arguments, for the
     suggested command (suggest=False: none). Returns a Plan and never raises on a bad placement
     (`errors` say why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter
@@ -263,7 +262,7 @@ def plan(
             f"--share-gpu shares them on purpose (small models only)"
         )
     util = utilization or (SHARED_UTILIZATION if shared else DEDICATED_UTILIZATION)
-    tokens = micro_batch * max_model_len
+    tokens = microbatch_tokens
     tr = trainer_bytes(
         shape, world=world, tokens=tokens, checkpointing=checkpointing, fp32_head=fp32_head
     )
@@ -292,8 +291,8 @@ def plan(
     with_ac = "with" if checkpointing else "without"
     notes.append(
         f"trainer activations: {_gib(tr['activations'])} GiB {with_ac} activation checkpointing, "
-        f"{_gib(other['activations'])} GiB {'without' if checkpointing else 'with'} (micro-batch "
-        f"{micro_batch} x {max_model_len} tokens)"
+        f"{_gib(other['activations'])} GiB {'without' if checkpointing else 'with'} (micro-batch of "
+        f"{microbatch_tokens} tokens)"
     )
     if gen:
         notes.append(
@@ -322,7 +321,7 @@ def plan(
             generator_gpus=None,
             tp=tp,
             utilization=utilization,
-            micro_batch=micro_batch,
+            microbatch_tokens=microbatch_tokens,
             max_model_len=max_model_len,
             fp32_head=fp32_head,
             dtype_bytes=dtype_bytes,

@@ -107,7 +107,10 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
             share_gpu=args.share_gpu,
             tp=args.tensor_parallel_size,
             utilization=args.gpu_memory_utilization,
-            micro_batch=args.micro_batch_size,
+            # tokens in one trainer forward: the token budget (plan_microbatches), else the legacy
+            # layout's micro_batch_size padded sequences
+            microbatch_tokens=args.max_tokens_per_microbatch
+            or args.micro_batch_size * args.max_model_len,
             max_model_len=args.max_model_len,
             checkpointing=args.activation_checkpointing,
             fp32_head=args.fp32_head,
@@ -165,24 +168,32 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
 
 
 class Policy(torch.nn.Module):
-    """The causal LM as the loss sees it: forward returns the completion tokens' log-probs (S, T) float32, the head
-    in fp32 (§3.2) or, with fp32_head=False, in the model's compute dtype (bf16 under FSDP2 mixed precision on GPU).
-    The head runs inside this module's forward, so FSDP2 gathers and reduces its weight like any other."""
+    """The causal LM as the loss sees it: forward returns the log-probs of chosen tokens, (N,)
+    float32, the head in fp32 (§3.2; from bf16 operands at tensor-core speed under FSDP2 mixed
+    precision on GPU) or, with fp32_head=False, in the model's compute dtype. The head runs inside
+    this module's forward, so FSDP2 gathers and reduces its weight like any other."""
 
     def __init__(self, lm, fp32_head: bool):
         super().__init__()
         self.lm, self.fp32_head = lm, fp32_head
 
-    def forward(self, input_ids, attention_mask, mask, temperature: float):
-        decoder = self.lm.get_decoder()  # hidden: (S, T, H)
+    def forward(self, input_ids, attention_mask, position_ids, pred, targets, temperature: float):
+        """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
+        padded: causal attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several
+        sequences with position_ids (1, C) restarting at 0 for each and no mask. pred (N,) long:
+        flat indices into the R * C positions whose hidden state predicts targets (N,) long. Returns
+        logp (N,) float32."""
+        decoder = self.lm.get_decoder()
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (R, C, H)
+        hidden = hidden.flatten(0, 1).index_select(0, pred)  # (N, H): only predicting positions
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         head_dtype = torch.float32 if self.fp32_head else hidden.dtype
-        return loss.completion_logprobs(
-            hidden, weight, input_ids, mask, temperature, head_dtype=head_dtype
-        )
+        return loss.token_logprobs(hidden, weight, targets, temperature, head_dtype=head_dtype)
 
 
 def shard(policy: Policy, device) -> None:
@@ -276,79 +287,204 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return y.cpu()
 
 
+def varlen_attention(lm) -> bool:
+    """True when the model's attention runs a packed row (sequences back to back, position ids
+    restarting at 0) as separate sequences: transformers' flash-attention implementations read
+    cu_seqlens off the position ids. SDPA and eager compute a packed row correctly too, but through
+    a dense (C, C) block-diagonal mask over the whole row (transformers 5.19
+    masking_utils.find_packed_sequence_indices), which costs more than padding, so they get
+    length-sorted padded micro-batches instead. Same rule as transformers.utils.generic.
+    is_flash_attention_requested; config._attn_implementation is where transformers keeps the
+    choice."""
+    return "flash" in (lm.config._attn_implementation or "")
+
+
+def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[list[int]]]:
+    """Which samples each rank runs in which micro-batch: plan[rank][i] is a list of batch row
+    indices. lengths: tokens per sample (prompt + completion). Samples go to ranks longest first,
+    each to the rank with the fewest tokens so far; each rank's samples, longest first, fill a
+    micro-batch while its computed tokens (packed: the sum of lengths; padded: rows x the longest)
+    stay within --max-tokens-per-microbatch and its rows within --micro-batch-size. A sample longer
+    than the budget runs alone. Every rank holds the whole batch, so every rank computes the same
+    plan without communicating. --max-tokens-per-microbatch 0: the layout before issue 11 (rank r
+    takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
+    S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
+    if budget == 0:
+        strided = [list(range(r, S, world)) for r in range(world)]
+        return [[rows[i : i + cap] for i in range(0, len(rows), cap)] for rows in strided]
+    load, mine = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(S), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        load[r] += lengths[i]
+        mine[r].append(i)
+    plan = []
+    for rows in mine:
+        mbs, cur, used = [], [], 0
+        for i in rows:  # longest first, so a padded micro-batch is as long as its first row
+            cost = used + lengths[i] if pack else (len(cur) + 1) * lengths[cur[0] if cur else i]
+            if cur and (cost > budget or len(cur) == cap):
+                mbs.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += lengths[i]
+        plan.append(mbs + [cur] if cur else mbs)
+    return plan
+
+
+def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
+    """One micro-batch's CPU tensors from a right-padded batch (collate): the model input
+    (Policy.forward's arguments: padded rows cut to `width` columns, or packed into one row) and the
+    loss layout (s, width): old_logp, weights (s, width), adv (s,), dst (N,) where each of the N
+    log-probs goes in it, sample (N,) each token's batch row. rows None: an empty micro-batch, one
+    zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
+    backward calls on every rank)."""
+    if rows is None:
+        S, one = len(adv), torch.ones(1, dtype=torch.long)
+        return dict(
+            input_ids=torch.zeros(1, 2, dtype=torch.long),
+            attention_mask=None,
+            position_ids=None,
+            pred=one - 1,
+            targets=one - 1,
+            dst=one,
+            sample=one * S,
+            old_logp=torch.zeros(1, 2),
+            weights=torch.zeros(1, 2),
+            adv=torch.zeros(1),
+        )
+    idx = torch.tensor(rows)
+    ids, mask = batch["input_ids"][idx, :width], batch["mask"][idx, :width]  # (s, width)
+    real = batch["attention_mask"][idx, :width].bool()  # (s, width) prefix of each row
+    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (train_step checked mask[:, 0])
+    if pack:  # sequences back to back, each with its own positions
+        lengths = real.sum(1)
+        offset = lengths.cumsum(0) - lengths  # (s,) where each sequence starts in the row
+        model = dict(
+            input_ids=ids[real][None],
+            attention_mask=None,
+            position_ids=torch.arange(width).expand_as(ids)[real][None],
+        )
+    else:
+        offset = torch.arange(len(rows)) * width
+        mask_or_none = None if real.all() else real.long()  # no mask: causal, SDPA's flash kernel
+        model = dict(input_ids=ids, attention_mask=mask_or_none, position_ids=None)
+    return dict(
+        model,
+        pred=offset[r] + t - 1,  # token t is predicted from position t - 1 of its own sequence
+        targets=ids[r, t],
+        dst=r * width + t,
+        sample=idx[r],
+        old_logp=batch["old_logp"][idx, :width],
+        weights=weights[idx, :width],
+        adv=adv[idx],
+    )
+
+
 def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
-    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation weights are
-    computed on the whole batch (§4), each rank runs its share of the samples in micro-batches, and the shares sum
-    to the full-batch loss. Returns the step's metrics, reduced over ranks. Raises FloatingPointError on every rank,
-    before the weights change, if a log-prob, the loss or the gradient norm is not finite."""
+    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation
+    weights are computed on the whole batch (§4), each rank runs its share of the samples in
+    micro-batches (plan_microbatches: token-budgeted, trimmed to their own length, packed where the
+    attention kernel is varlen), and the shares sum to the full-batch loss. Metrics and the
+    finiteness flag stay on the device until one transfer after backward. Returns the step's
+    metrics, reduced over ranks. Raises ValueError on a batch that is not right-padded or has token
+    ids outside the vocabulary, and FloatingPointError on every rank, before the weights change, if
+    a log-prob, the loss or the gradient norm is not finite."""
     rank, world = dist.get_rank(), dist.get_world_size()
     adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
-    weights = loss.aggregation_weights(
-        batch["mask"], batch["group_ids"], agg=args.agg
-    )  # (S, T), sums to 1
-    rows = torch.arange(len(adv))[
-        rank::world
-    ]  # validate(): group_size % world == 0, so every rank gets S / world
-    sums = torch.zeros(
-        4, dtype=torch.float64
-    )  # loss, valid tokens, clipped tokens, rho summed over tokens
-    ext = torch.full(
-        (3,), -math.inf, dtype=torch.float64
-    )  # -rho_min, rho_max, -(first non-finite sample) or -inf
-    for chunk in rows.split(args.micro_batch_size):
-        mask = batch["mask"][chunk].to(device)  # (s, T)
+    weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
+    # once per step on the CPU: checks that would each cost a host sync per micro-batch on a GPU
+    S, T = batch["input_ids"].shape
+    V = policy.lm.get_output_embeddings().weight.shape[0]
+    lengths = batch["attention_mask"].sum(1)  # (S,)
+    real = torch.arange(T) < lengths[:, None]  # (S, T)
+    ids = batch["input_ids"][real]
+    if not torch.equal(batch["attention_mask"].bool(), real) or (batch["mask"] & ~real).any():
+        raise ValueError(
+            "batch must be right-padded, with mask only on real tokens (collate's layout)"
+        )
+    if batch["mask"][:, 0].any():
+        raise ValueError(
+            "mask[:, 0] is True: the first token has no preceding position to predict it"
+        )
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < V:
+        raise ValueError(
+            f"token ids must lie in [0, V={V}); got [{int(ids.min())}, {int(ids.max())}]"
+        )
+    loss.check_values(batch["old_logp"], weights)  # finite behaviour log-probs, weights >= 0
+    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
+    plan = plan_microbatches(lengths.tolist(), world, args, pack)
+    # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
+    mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
+    cuda = device.type == "cuda"
+    f64 = dict(dtype=torch.float64, device=device)
+    sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho summed over tokens
+    ext = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
+    # first batch sample with a non-finite log-prob or loss, S if none (torchtitan's loss_is_finite)
+    bad = torch.full((), S, dtype=torch.long, device=device)
+    for rows in mine:
+        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
+        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        mb = microbatch(batch, rows, width, pack, adv, weights)
+        # pinned memory: the copies to the GPU need not wait for it
+        mb = {
+            k: (v.pin_memory().to(device, non_blocking=True) if cuda else v) if v is not None else v
+            for k, v in mb.items()
+        }
         logp = policy(
-            batch["input_ids"][chunk].to(device),
-            batch["attention_mask"][chunk].to(device),
-            mask,
+            mb["input_ids"],
+            mb["attention_mask"],
+            mb["position_ids"],
+            mb["pred"],
+            mb["targets"],
             args.temperature,
-        )  # (s, T) float32
+        )  # (N,) float32
+        w_mb = mb["weights"]  # (s, width)
+        full = logp.new_zeros(w_mb.numel()).index_copy(0, mb["dst"], logp).view_as(w_mb)
         l, m = loss.policy_loss(
-            logp,
-            batch["old_logp"][chunk].to(device),
-            adv[chunk].to(device),
-            weights[chunk].to(device),
+            full,
+            mb["old_logp"],
+            mb["adv"],
+            w_mb,
             args.loss,
             eps_low=args.eps_low,
             eps_high=args.eps_high,
             cispo_cap=args.cispo_cap,
+            validate=False,  # loss.check_values ran once above, on the whole batch
         )
-        finite = torch.isfinite(torch.where(mask, logp.detach(), 0.0)).all(1).cpu()  # (s,)
-        if not finite.all() or not torch.isfinite(l):
-            ext[2] = max(ext[2].item(), -float(chunk[~finite][0] if not finite.all() else chunk[0]))
-        (
-            l * world
-        ).backward()  # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
-        n = float(m["n_tokens"])
-        sums += torch.tensor(
-            [l.item(), n, float(m["clip_frac"]) * n, float(m["rho_mean"]) * n], dtype=torch.float64
-        )
-        ext[:2] = torch.maximum(
-            ext[:2], torch.tensor([-float(m["rho_min"]), float(m["rho_max"])], dtype=torch.float64)
-        )
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        policy.parameters(), args.max_grad_norm
-    )  # over all ranks' shards
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    sums, ext = all_reduce(sums), all_reduce(ext, dist.ReduceOp.MAX)
-    if ext[2] > -math.inf or not math.isfinite(sums[0]) or not math.isfinite(grad_norm):
+        # a non-finite log-prob blames its sample; a non-finite loss the micro-batch's first sample
+        blame = torch.cat([torch.where(torch.isfinite(logp), S, mb["sample"]), bad[None]]).amin()
+        first = torch.cat([mb["sample"], bad[None]]).amin()
+        bad = torch.where(torch.isfinite(l), blame, first)
+        # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
+        (l * world).backward()
+        n = m["n_tokens"].double()
+        sums += torch.stack([l.detach().double(), n, m["clip_frac"] * n, m["rho_mean"] * n])
+        ext = torch.maximum(ext, torch.stack([-m["rho_min"], m["rho_max"]]).double())
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    dist.all_reduce(sums)
+    top = torch.cat([ext, -bad.double()[None]])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    out = torch.cat([sums, top, grad_norm.double()[None]]).tolist()  # the step's one host sync
+    (loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, neg_bad, grad_norm) = out
+    if -neg_bad < S or not math.isfinite(loss_sum) or not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        s = int(-ext[2]) if ext[2] > -math.inf else None
-        where = f"log-prob or loss in batch sample {s}" if s is not None else "loss or gradient"
+        s = int(-neg_bad)
+        where = f"log-prob or loss in batch sample {s}" if s < S else "loss or gradient"
         raise FloatingPointError(
-            f"non-finite {where} (loss {sums[0]:.4g}, grad norm {grad_norm:.4g})"
+            f"non-finite {where} (loss {loss_sum:.4g}, grad norm {grad_norm:.4g})"
         )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    n = max(sums[1].item(), 1.0)
+    n = max(n_tok, 1.0)
     return {
-        "train/loss": sums[0].item(),
+        "train/loss": loss_sum,
         "train/grad_norm": grad_norm,
-        "train/tokens": int(sums[1]),
-        "train/clip_frac": sums[2].item() / n,
-        "train/rho_mean": sums[3].item() / n,
-        "train/rho_min": -ext[0].item(),
-        "train/rho_max": ext[1].item(),
+        "train/tokens": int(n_tok),
+        "train/clip_frac": clipped / n,
+        "train/rho_mean": rho_sum / n,
+        "train/rho_min": -neg_rho_min,
+        "train/rho_max": rho_max,
         "train/adv_abs_mean": adv.abs().mean().item(),
     }
 

