@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from reward import extract_boxed
 
+# Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and config.py.
+PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ARITH_INSTRUCTION = (
     "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
@@ -143,7 +145,8 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     """Raw rows of `source`: "arith", a preset name, a local .jsonl/.json/.parquet file, or a hub id.
 
     A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). Raises ValueError for
-    an unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing local path."""
+    an unknown extension or a JSON file that is not a list of objects (or not JSON), FileNotFoundError for a missing
+    local path; each message starts with `source`."""
     if source == "arith":
         rows, seen = [], set()
         for item, _ in zip(
@@ -167,13 +170,16 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
 
         return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
     if not os.path.exists(source):
-        raise FileNotFoundError(f"data file not found: {source}")
+        raise FileNotFoundError(f"{source}: no such file")
     if ext == ".jsonl":
         with open(source) as f:
             return [_json_or_text(line) for line in f if line.strip()]
     if ext == ".json":
         with open(source) as f:
-            rows = json.load(f)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}: not valid JSON ({e})") from e
         if not isinstance(rows, list):
             raise ValueError(
                 f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}"
@@ -271,10 +277,25 @@ def load_prompts(
 
     Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
-    naming the source and the reasons when no valid row remains (and see read_rows)."""
+    naming the source when there are no rows, when no row has a question or an answer column (saying which names
+    were looked for and which columns the rows have), or when no valid row remains (the reasons counted); and see
+    read_rows."""
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
+    if not rows:
+        raise ValueError(f"{source}: no rows (an empty file?)")
+    columns = sorted({k for r in rows if isinstance(r, dict) for k in r})
+    for what, key, defaults, flag in (
+        ("question", question_key, QUESTION_KEYS, "--question-key"),
+        ("answer", answer_key, ANSWER_KEYS, "--answer-key"),
+    ):
+        wanted = [key] if key else list(defaults)
+        if columns and not set(wanted) & set(columns):
+            raise ValueError(
+                f"{source}: no {what} column: looked for {', '.join(wanted)}; the rows have "
+                f"{', '.join(columns)} (name it with {flag})"
+            )
     prompts, skipped = build_prompts(
         rows,
         tokenizer,

@@ -36,6 +36,9 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import data
 
+# the interruption phrase lives in data.py; its old name here keeps build_key's cache key (no rebuild)
+from data import PHRASE as INTERRUPT_PHRASE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
 # Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty think block,
@@ -45,7 +48,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
 # 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
 TINY_CONFIG = dict(
     hidden_size=128,

@@ -47,7 +47,7 @@ def test_warm_start_example_masks(tok):
         start=1, add=2, times=15
     )  # 15 additions, 150 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
-    text, phrase = tok.decode(ids), tiny.INTERRUPT_PHRASE
+    text, phrase = tok.decode(ids), data.PHRASE
     prompt_len = ids.index(tok.convert_tokens_to_ids("<think>"))
     assert mask[:prompt_len] == [0] * prompt_len and mask[prompt_len] == 1
     assert text.endswith(f"{phrase}\n\n\\boxed{{31}}<|im_end|>")
