@@ -269,7 +269,10 @@ def exit_with(error: BadInput) -> None:
 
 
 def has_cuda() -> bool:
-    """torch.cuda.is_available(), importing torch (seconds) only when a default depends on it."""
+    """torch.cuda.is_available(), importing torch (seconds) only on a machine with a GPU device node (NVIDIA's
+    /dev/nvidiactl, ROCm's /dev/kfd): without one the driver cannot reach a GPU, so flag errors stay fast."""
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
+        return False
     import torch
 
     return torch.cuda.is_available()
@@ -305,7 +308,13 @@ def parse_args(argv=None) -> Args:
                 else f"--resume {known.resume}: no such directory"
             )
         with open(saved) as f:
-            default = Args(**{**json.load(f), "resume": known.resume})
+            saved = json.load(f)
+        # JSON has no tuples: give tuple fields (think_budget) their type back, as tyro expects
+        saved = {
+            k: tuple(v) if isinstance(getattr(Args, k, None), tuple) else v
+            for k, v in saved.items()
+        }
+        default = Args(**{**saved, "resume": known.resume})
     else:
         if known.recipe not in RECIPES:
             raise BadInput(f"--recipe {known.recipe}: unknown; choose from {', '.join(RECIPES)}")

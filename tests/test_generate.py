@@ -15,6 +15,7 @@ table we choose, with log-probs worked out below in float64.
 """
 
 import asyncio
+import logging
 import math
 import multiprocessing
 import os
@@ -156,6 +157,21 @@ def test_engine_args_rl_settings():
     )
     assert (gpu.tensor_parallel_size, gpu.data_parallel_size) == (2, 4)
     assert gpu.weight_transfer_config.backend == "nccl"
+    assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
+
+
+def test_reload_warnings_dropped_only_for_layers_no_checkpoint_holds():
+    def kept(tied, layer, msg="%s: Failed to load weights"):
+        record = logging.LogRecord(
+            "vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None
+        )
+        return generate._NothingToReload(tied).filter(record)
+
+    assert not kept(True, "RotaryEmbedding") and not kept(False, "RotaryEmbedding")
+    assert not kept(True, "ParallelLMHead")  # tied: the embedding's weight, saved once
+    assert kept(False, "ParallelLMHead")  # untied: its own weight, which must load
+    assert kept(True, "QKVParallelLinear") and kept(True, "VocabParallelEmbedding")
+    assert kept(True, "RotaryEmbedding", "%s: Delayed processing")
 
 
 # ---- on the shared engine ----
