@@ -144,7 +144,8 @@ class Args:
     run_dir: str | None = None
     """run directory (default: runs/<model>-<recipe>-<date>); holds metrics.jsonl, samples.jsonl, checkpoints"""
     resume: str | None = None
-    """continue the run in this directory from its last checkpoint (its args are the defaults)"""
+    """continue the run in this directory from its last checkpoint (from step 0 if it has none yet); its saved
+    args are the defaults"""
     seed: int = 0
     """prompt order, held-out split, initialization, sampler seed"""
     steps: int = 80

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 8 train.py --model qwen3-8b   # the paper's scale; vLLM shares rank 0's GPU
     python train.py --recipe loo-dapo                   # one of the paper's compared recipes / ablations
     python train.py --resume runs/NAME                  # continue a stopped run where it stopped
+    # Ctrl-C: finish or abandon the step, checkpoint, exit 0 (twice: quit at once); a bad flag: one line, exit 2
     python fit.py runs/NAME/metrics.jsonl --fit-until X # the sigmoid fit of a finished run
 
 One step (DESIGN.md): the pipeline's producer thread samples groups with vLLM (forced interruptions, in-flight

@@ -9,8 +9,10 @@ run ahead once the trainer stops), rewards line up with their completions; (3) s
 superseded weight directories deleted, and `evaluate` runs on the newest published weights; (4) failures: a reward
 function raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a
 hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt
-during generation closes an engine-owning pipeline within 30 s leaving no child process or thread.
+and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and evaluate within a poll
+(0.5 s) and a stopping pipeline publishes nothing; weights_root deletes the weight directories of dead runs only;
+(5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt during generation closes an
+engine-owning pipeline within 30 s leaving no child process or thread.
 """
 
 import asyncio

