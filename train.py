@@ -636,9 +636,10 @@ def main(args: Args) -> None:
     try:
         if step == 0:  # R0: the pass rate before RL, the curve's anchor (PAPER.md 8.1)
             m = evaluate()
-            if "eval/pass_rate" in m:  # rank 0, unless a Ctrl-C abandoned it
+            # rank 0, unless a Ctrl-C abandoned it (then step 0 runs again on --resume)
+            if "eval/pass_rate" in m:
                 history.append({"step": 0, "gpu_hours": 0.0, "eval/pass_rate": m["eval/pass_rate"]})
-            log(m)
+                log(m)
         while step < args.steps:
             t0 = time.perf_counter()
             # ---- 1. rollouts: P groups with lag <= k, from the producer thread (rank 0), to every rank
