@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -197,6 +198,15 @@ def quiet_reload_warnings(tied: bool) -> None:
 class WorkerExtension:
     """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by `collective_rpc`."""
 
+    def ignore_sigint(self) -> None:
+        """Ignore SIGINT in this worker. A terminal's Ctrl-C reaches every process of its foreground group, the
+        engine's too; vLLM's worker handler (worker_main, checked on vLLM 0.32) then ends the worker mid-step, and
+        its engine core fails with pages of tracebacks. Ignoring it, the engine core (its own SIGINT handler) aborts
+        its requests and stops its workers with SIGTERM, or, with the worker in the engine-core process (one
+        device), the engine serves on and the trainer stops it (Sampler.shutdown). RPCs run in the worker's main
+        thread, as signal.signal requires; pinned by tests/test_generate.py."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def reload_weights_retie(self, weights_path: str) -> None:
         """vLLM's `reload_weights`, then re-prepare a tied LM head: vLLM internals, checked on vLLM 0.32 and pinned by
         the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding the head shares, but
@@ -320,9 +330,15 @@ class Sampler:
 
     @classmethod
     async def create(cls, model: str, **kwargs) -> "Sampler":
-        """Start the engine (blocking this loop ~15-60 s on CPU) and label its weights version 0."""
+        """Start the engine (blocking this loop ~15-60 s on CPU), label its weights version 0, and let a terminal's
+        Ctrl-C pass its workers by (`WorkerExtension.ignore_sigint`)."""
         self = cls(model, **kwargs)
-        await self.engine.update_weight_version(str(self.version))
+        try:
+            await self.engine.update_weight_version(str(self.version))
+            await self.engine.collective_rpc("ignore_sigint")
+        except BaseException:
+            self.shutdown()
+            raise
         return self
 
     async def generate(

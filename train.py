@@ -527,8 +527,6 @@ def main(args: Args) -> None:
             "VLLM_LOGGING_LEVEL", "WARNING"
         )  # the engine's processes: warnings and errors only
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
-        for handler in logging.getLogger("vllm").handlers:  # after a Ctrl-C its death is no news
-            handler.addFilter(lambda record: not stop["requested"])
         sampler_kwargs = dict(
             think_budget=tuple(args.think_budget),
             answer_budget=args.answer_budget,
@@ -558,6 +556,9 @@ def main(args: Args) -> None:
             version=step,
             stop=lambda: stop["requested"],
         )
+        # vLLM's handler, set up as the engine started: after a Ctrl-C, the engine's death is no news
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(lambda record: not stop["requested"])
         # what this run is, in one line (args.json and meta.json hold the rest)
         print(
             f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "

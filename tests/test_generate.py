@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 from types import SimpleNamespace
 
 import numpy as np
@@ -339,6 +340,18 @@ def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path
             and c.mask.all()
         )
         assert THINK_END not in c.completion_ids and not c.interrupted and c.truncated
+
+
+@pytest.mark.vllm
+def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
+    workers = [p for p in vllm_engine.sampler._workers if "Worker" in p.name()]
+    assert workers
+    for w in (
+        workers
+    ):  # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
+        with open(f"/proc/{w.pid}/status") as f:
+            ignored = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
+        assert ignored >> (signal.SIGINT - 1) & 1, f"{w.name()} does not ignore SIGINT"
 
 
 @pytest.mark.vllm
