@@ -605,7 +605,9 @@ def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_pa
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert stopped_in < 60 and "Traceback" not in err.read_text(), err.read_text()[-3000:]
+    assert stopped_in < 60, err.read_text()[-3000:]
+    for text in (out.read_text(), err.read_text()):  # vLLM's processes write there too
+        assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
     assert gone_within(procs, 10) == []
     assert f"{run_dir} holds no checkpoint yet" in out.read_text()
     saved = json.loads((run_dir / "state.json").read_text())["step"]
