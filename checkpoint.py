@@ -138,6 +138,24 @@ def truncate_log(path: str, step: int) -> None:
             f.writelines(keep)
 
 
+def clear_run(run_dir: str) -> None:
+    """Delete what a run writes into its directory (logs, held-out split, partial checkpoints, fits, export), so a
+    run that stopped before its first checkpoint starts again from step 0 in the same directory. Other files stay."""
+    for name in (
+        "metrics.jsonl",
+        "samples.jsonl",
+        "heldout.json",
+        "state.json.tmp",
+        "fit.json",
+        "fit.png",
+    ):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        if name in ("checkpoints", "final") or name.startswith("resume_"):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
 def run_metadata(world: int) -> dict:
     """What made this run (modded-nanogpt style): code version, libraries, hardware, command line."""
     import transformers

@@ -12,17 +12,19 @@ the resolved values. Adding an ablation is a field here, its use in train.py, an
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
-import data
-import generate
+import data  # light (stdlib only): `--help` and flag errors answer before torch and vLLM load
+from data import PHRASE  # the interruption phrase (paper v1 §4); Args has a field named `data`
 
 ARITH_THINK_BUDGET = data.ARITH_THINK_BUDGET  # Args has a field named `data`
-# --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets the "hf" row.
+# --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets the "hf" row on
+# a machine with CUDA, the "hf-cpu" row (printed at start) on one without.
 # Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k answer).
 PAPER_GEN = dict(
     think_budget=(10240, 12288),
@@ -86,6 +88,11 @@ PRESETS = {
     "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, activation_checkpointing=True),
     "hf": dict(PAPER_GEN, path=None, lr=1e-6, activation_checkpointing=True),
 }
+# An unknown model without CUDA: the smollm2-135m row's sizes (minutes per step on a few cores, not the paper-scale
+# days of "hf"), with room for a thinking model's budget; the data stays the user's --data, else gsm8k.
+PRESETS["hf-cpu"] = dict(
+    PRESETS["smollm2-135m"], think_budget=(192, 256), max_model_len=896, kv_cache_gib=1.0
+)
 # --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants (Fig 7) as flag
 # settings on top of ScaleRL. A flag given on the command line wins over the recipe.
 RECIPES = {
@@ -147,7 +154,8 @@ class Args:
     run_dir: str | None = None
     """run directory (default: runs/<model>-<recipe>-<date>); holds metrics.jsonl, samples.jsonl, checkpoints"""
     resume: str | None = None
-    """continue the run in this directory from its last checkpoint (its args are the defaults)"""
+    """continue the run in this directory from its last checkpoint (from step 0 if it has none yet); its saved
+    args are the defaults"""
     seed: int = 0
     """prompt order, held-out split, initialization, sampler seed"""
     steps: int = 80
@@ -212,7 +220,7 @@ class Args:
     """tokens for the answer after thinking (paper: 2k)"""
     interruptions: bool = True
     """forced interruptions (§2); off: one phase of think_budget[1] + answer_budget tokens (loo-lp)"""
-    phrase: str = generate.PHRASE
+    phrase: str = PHRASE
     """appended when the thinking budget runs out (paper §4)"""
     async_mode: Literal["pipeline", "ppo"] = "pipeline"
     """PipelineRL-k with in-flight updates (§3.1) or PPO-off-policy-k (k batches per weight version)"""
@@ -267,9 +275,47 @@ class Args:
     """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
 
 
+class BadInput(Exception):
+    """A mistake train.py reports in one line, `train.py: <message>`, with no traceback: exit code 2 for a bad flag
+    value (the argparse / tyro convention), 1 for an input found unusable while loading (data, model)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def exit_with(error: BadInput) -> None:
+    """Print the error's one line on stderr (once: rank 0 under torchrun) and exit with its code."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"train.py: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(error.code)
+
+
+def has_cuda() -> bool:
+    """torch.cuda.is_available(), importing torch (seconds) only on a machine with a GPU device node (NVIDIA's
+    /dev/nvidiactl, ROCm's /dev/kfd): without one the driver cannot reach a GPU, so flag errors stay fast."""
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def model_kind(model: str) -> str:
+    """What a --model (or --path) value names: "preset" (a PRESETS row), "dir" (an existing directory, or a name
+    that reads as a path), "hub" (org/name) or "unknown"."""
+    if model in PRESETS and not model.startswith("hf"):
+        return "preset"
+    if os.path.isdir(os.path.expanduser(model)) or model.startswith((".", "/", "~")):
+        return "dir"
+    return "hub" if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else "unknown"
+
+
 def parse_args(argv=None) -> Args:
     """Defaults = ScaleRL, then the --model preset, then the --recipe, then (with --resume) the run's saved args;
-    explicit flags win over all of them. Raises SystemExit with a message on an unknown preset or recipe."""
+    explicit flags win over all of them. An unknown model (hub id or directory) gets the "hf" row with CUDA and the
+    "hf-cpu" row without. Raises BadInput (code 2) for an unknown preset or recipe or a --resume directory that
+    holds no run; tyro exits 2 on a malformed flag and 0 after --help."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default="tiny")
@@ -277,24 +323,34 @@ def parse_args(argv=None) -> Args:
     pre.add_argument("--resume", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.resume:
-        if not os.path.exists(os.path.join(known.resume, "state.json")):
-            raise SystemExit(
-                f"train.py: --resume {known.resume}: no checkpoint there (state.json) to resume from"
+        saved = os.path.join(known.resume, "args.json")
+        if not os.path.exists(saved):
+            raise BadInput(
+                f"--resume {known.resume}: not a run directory (no args.json in it)"
+                if os.path.isdir(known.resume)
+                else f"--resume {known.resume}: no such directory"
             )
-        with open(os.path.join(known.resume, "args.json")) as f:
-            default = Args(**{**json.load(f), "resume": known.resume})
+        with open(saved) as f:
+            saved = json.load(f)
+        # JSON has no tuples: give tuple fields (think_budget) their type back, as tyro expects
+        saved = {
+            k: tuple(v) if isinstance(getattr(Args, k, None), tuple) else v
+            for k, v in saved.items()
+        }
+        default = Args(**{**saved, "resume": known.resume})
     else:
         if known.recipe not in RECIPES:
-            raise SystemExit(f"unknown --recipe {known.recipe!r}; choose from {', '.join(RECIPES)}")
-        is_path = os.path.sep in known.model or known.model.startswith(".")
-        if known.model not in PRESETS and not is_path and "/" not in known.model:
-            raise SystemExit(
-                f"unknown --model {known.model!r}: not a preset ({', '.join(PRESETS)}), a hub id "
-                f"(org/name) or a directory"
+            raise BadInput(f"--recipe {known.recipe}: unknown; choose from {', '.join(RECIPES)}")
+        kind = model_kind(known.model)
+        if kind == "unknown":
+            names = ", ".join(k for k in PRESETS if not k.startswith("hf"))
+            raise BadInput(
+                f"--model {known.model}: not a preset ({names}), a hub id (org/name) or a directory"
             )
-        preset = dict(PRESETS.get(known.model, PRESETS["hf"]))
-        if known.model not in PRESETS:
-            preset["path"] = known.model
+        if kind == "preset":
+            preset = dict(PRESETS[known.model])
+        else:
+            preset = dict(PRESETS["hf" if has_cuda() else "hf-cpu"], path=known.model)
         default = Args(
             **{**preset, **RECIPES[known.recipe], "model": known.model, "recipe": known.recipe}
         )
@@ -302,47 +358,132 @@ def parse_args(argv=None) -> Args:
 
 
 def validate(args: Args, world: int) -> None:
-    """Clear errors before any expensive work (SystemExit naming the flag)."""
+    """One check per flag, before any expensive work. Raises BadInput (code 2) naming the first bad flag and its
+    value: `--steps 0: must be >= 1`."""
     lo, hi = args.think_budget
     need = (
         args.max_prompt_len + hi + len(args.phrase) + args.answer_budget
-    )  # phrase: at most one token per char
+    )  # phrase: <= 1 token per char
+    P = round(
+        args.prompts_per_step * args.batch_scale
+    )  # prompt groups per batch, as train.py derives it
+    gpus = args.generator_gpus or []
+    run_dir = args.run_dir if not args.resume else None
     checks = [
+        ("--steps", args.steps, args.steps >= 1, "must be >= 1"),
+        ("--eval-every", args.eval_every, args.eval_every >= 1, "must be >= 1"),
+        ("--eval-size", args.eval_size, args.eval_size >= 1, "must be >= 1"),
+        ("--eval-n", args.eval_n, args.eval_n >= 1, "must be >= 1"),
         (
-            args.steps >= 1 and args.eval_every >= 1 and args.eval_size >= 1 and args.eval_n >= 1,
-            "--steps, --eval-every, --eval-size, --eval-n must be >= 1",
+            "--save-every",
+            args.save_every,
+            args.save_every >= 0,
+            "must be >= 0 (0: only at the end)",
         ),
-        (0 < lo <= hi and args.answer_budget >= 1, f"--think-budget {lo} {hi} needs 0 < lo <= hi"),
+        ("--log-samples", args.log_samples, args.log_samples >= 0, "must be >= 0"),
+        ("--prompts-per-step", args.prompts_per_step, args.prompts_per_step >= 1, "must be >= 1"),
+        ("--batch-scale", args.batch_scale, P >= 1, "must leave >= 1 prompt per step"),
+        ("--group-size", args.group_size, args.group_size >= 2, "must be >= 2 (group advantages)"),
         (
-            need <= args.max_model_len,
-            f"--max-model-len {args.max_model_len} < max_prompt_len + think_budget[1] + "
-            f"phrase + answer_budget = {need}",
-        ),
-        (args.group_size >= 2, "--group-size must be >= 2 (group-centred advantages)"),
-        (
-            args.max_tokens_per_microbatch >= 0 and args.micro_batch_size >= 1,
-            "--max-tokens-per-microbatch must be >= 0 and --micro-batch-size >= 1",
-        ),
-        (
+            "--group-size",
+            args.group_size,
             args.group_size % world == 0,
-            f"--group-size {args.group_size} must divide across {world} ranks",
+            f"must divide across {world} ranks",
+        ),
+        ("--micro-batch-size", args.micro_batch_size, args.micro_batch_size >= 1, "must be >= 1"),
+        (
+            "--max-tokens-per-microbatch",
+            args.max_tokens_per_microbatch,
+            args.max_tokens_per_microbatch >= 0,
+            "must be >= 0 (0: micro-batches of --micro-batch-size padded sequences)",
+        ),
+        ("--think-budget", f"{lo} {hi}", 0 < lo <= hi, "needs 0 < lo <= hi"),
+        ("--answer-budget", args.answer_budget, args.answer_budget >= 1, "must be >= 1"),
+        ("--max-prompt-len", args.max_prompt_len, args.max_prompt_len >= 1, "must be >= 1"),
+        (
+            "--max-model-len",
+            args.max_model_len,
+            need <= args.max_model_len,
+            f"< max_prompt_len + think_budget[1] + phrase + answer_budget = {need}",
+        ),
+        ("--temperature", args.temperature, args.temperature > 0, "must be > 0"),
+        (
+            "--max-lag",
+            args.max_lag,
+            args.max_lag >= (args.async_mode == "ppo"),
+            f"must be >= {int(args.async_mode == 'ppo')} with --async-mode {args.async_mode}",
+        ),
+        ("--npr-threshold", args.npr_threshold, 0 < args.npr_threshold <= 1, "must be in (0, 1]"),
+        ("--cispo-cap", args.cispo_cap, args.cispo_cap > 0, "must be > 0"),
+        ("--eps-low", args.eps_low, args.eps_low >= 0, "must be >= 0"),
+        ("--eps-high", args.eps_high, args.eps_high >= 0, "must be >= 0"),
+        ("--lr", args.lr, args.lr > 0, "must be > 0"),
+        ("--warmup-steps", args.warmup_steps, args.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", args.weight_decay, args.weight_decay >= 0, "must be >= 0"),
+        ("--adam-eps", args.adam_eps, args.adam_eps > 0, "must be > 0"),
+        ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm > 0, "must be > 0"),
+        (
+            "--gen-dtype",
+            args.gen_dtype,
+            args.gen_dtype in ("auto", "float32", "bfloat16", "float16"),
+            "must be auto, float32, bfloat16 or float16",
         ),
         (
-            len(args.generator_gpus or []) % args.tensor_parallel_size == 0,
-            f"--generator-gpus {args.generator_gpus}: a multiple of --tensor-parallel-size {args.tensor_parallel_size}",
+            "--tensor-parallel-size",
+            args.tensor_parallel_size,
+            args.tensor_parallel_size >= 1 and len(gpus) % args.tensor_parallel_size == 0,
+            f"must be >= 1 and divide the {len(gpus)} --generator-gpus",
         ),
         (
-            args.max_lag >= 0 and args.temperature > 0 and args.lr > 0,
-            "--max-lag >= 0, --temperature, --lr > 0",
+            "--gpu-memory-utilization",
+            args.gpu_memory_utilization,
+            args.gpu_memory_utilization is None or 0 < args.gpu_memory_utilization <= 1,
+            "must be in (0, 1]",
         ),
         (
-            args.path is None
-            or "/" in args.path
-            and not args.path.startswith((".", "/"))
-            or os.path.isdir(args.path),
-            f"model directory {args.path!r} does not exist",
+            "--kv-cache-gib",
+            args.kv_cache_gib,
+            args.kv_cache_gib is None or args.kv_cache_gib > 0,
+            "must be > 0",
+        ),
+        (
+            "--recipe",
+            args.recipe,
+            args.recipe in RECIPES,
+            f"unknown; choose from {', '.join(RECIPES)}",
+        ),
+        (
+            "--run-dir",
+            run_dir,
+            not (run_dir and os.path.exists(os.path.join(run_dir, "state.json"))),
+            f"holds a run with a checkpoint; continue it with --resume {run_dir}, or pick another "
+            "--run-dir",
         ),
     ]
-    for ok, msg in checks:
+    if args.path is not None and model_kind(args.path) == "dir":
+        flag = "--model" if args.path == args.model else "--path"
+        exists = os.path.isdir(os.path.expanduser(args.path))
+        checks.append((flag, args.path, exists, "no such directory"))
+        checks.append(
+            (
+                flag,
+                args.path,
+                not exists
+                or os.path.exists(os.path.join(os.path.expanduser(args.path), "config.json")),
+                "not a model directory (no config.json in it)",
+            )
+        )
+    for flag, value, ok, why in checks:
         if not ok:
-            raise SystemExit(f"train.py: {msg}")
+            raise BadInput(f"{flag} {value}: {why}")
+
+
+def cli(argv=None) -> Args:
+    """train.py's command line: parse_args + validate (world size from torchrun's WORLD_SIZE), before torch loads.
+    On a bad flag prints one line on stderr and exits 2."""
+    try:
+        args = parse_args(argv)
+        validate(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except BadInput as e:
+        exit_with(e)
+    return args

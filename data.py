@@ -33,6 +33,8 @@ import numpy as np
 
 from reward import extract_boxed
 
+# Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and config.py.
+PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ARITH_INSTRUCTION = (
     "Answer in \\boxed{}."  # short: the tiny model pays for every prompt byte in each forward
@@ -232,8 +234,8 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
     and JSONL are read as UTF-8 with or without a byte-order mark, their non-integer numbers as
     Decimal (the digits as written, for gold_text); a parquet float32 cell stays a float32 (whose
     shortest repr is the number written: 0.1, not 0.10000000149011612). Raises ValueError for an
-    unknown extension or a JSON file that is not a list of objects, FileNotFoundError for a missing
-    local path."""
+    unknown extension or a JSON file that is not a list of objects (or not JSON),
+    FileNotFoundError for a missing local path; each message starts with `source`."""
     if source == "arith":
         rows, seen = [], set()
         for item, _ in zip(
@@ -257,14 +259,17 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
 
         return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
     if not os.path.exists(source):
-        raise FileNotFoundError(f"data file not found: {source}")
+        raise FileNotFoundError(f"{source}: no such file")
     if ext == ".jsonl":
         # "utf-8-sig": a byte-order mark before the first row is dropped, not read as a character
         with open(source, encoding="utf-8-sig") as f:
             return [_json_or_text(line) for line in f if line.strip()]
     if ext == ".json":
         with open(source, encoding="utf-8-sig") as f:
-            rows = json.load(f, parse_float=Decimal)
+            try:
+                rows = json.load(f, parse_float=Decimal)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}: not valid JSON ({e})") from e
         if not isinstance(rows, list):
             raise ValueError(
                 f"{source}: a .json data file must hold a list of objects, got {type(rows).__name__}"
@@ -376,10 +381,25 @@ def load_prompts(
 
     Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
-    naming the source and the reasons when no valid row remains (and see read_rows)."""
+    naming the source when there are no rows, when no row has a question or an answer column (saying which names
+    were looked for and which columns the rows have), or when no valid row remains (the reasons counted); and see
+    read_rows."""
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
+    if not rows:
+        raise ValueError(f"{source}: no rows (an empty file?)")
+    columns = sorted({k for r in rows if isinstance(r, dict) for k in r})
+    for what, key, defaults, flag in (
+        ("question", question_key, QUESTION_KEYS, "--question-key"),
+        ("answer", answer_key, ANSWER_KEYS, "--answer-key"),
+    ):
+        wanted = [key] if key else list(defaults)
+        if columns and not set(wanted) & set(columns):
+            raise ValueError(
+                f"{source}: no {what} column: looked for {', '.join(wanted)}; the rows have "
+                f"{', '.join(columns)} (name it with {flag})"
+            )
     prompts, skipped = build_prompts(
         rows,
         tokenizer,

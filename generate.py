@@ -33,7 +33,9 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import psutil  # a vLLM dependency
@@ -47,11 +49,11 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
-PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
+from data import PHRASE  # the interruption phrase (paper v1 §4)
+from placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is given
+
 THINK_END = "</think>"
-SHUTDOWN_TIMEOUT = 20.0  # seconds shutdown() waits for each engine process before killing it
-# the KV cache on CPU when neither kv_cache_gib nor gpu_memory_utilization is given
-CPU_KV_CACHE_GIB = 1.0
+SHUTDOWN_TIMEOUT = 20.0  # seconds shutdown() waits in all for the engine's processes before killing
 NCCL_CHECKED_ON = "0.32"  # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 
 
@@ -171,16 +173,52 @@ def engine_args(
         if fp32_head
         else None,  # FP32 LM head in the generator (§3.2, A.19)
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
+        use_tqdm_on_load=False,  # no loading bars at every in-flight weight update
         worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's public hook for extra collective_rpc methods
         disable_log_stats=True,
     )
 
 
+class _NothingToReload(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py, vLLM 0.32) for
+    the layers a checkpoint never holds, so that every in-flight update does not read as a failed one. vLLM logs it
+    for a layer with tensors that received no weights in a reload, and then puts the layer's existing tensors
+    back: right for RotaryEmbedding (its cos/sin cache is a computed buffer, in no checkpoint) and for a tied
+    ParallelLMHead (its weight is the embedding's, saved once, as checkpoint.export_weights does). Any other layer,
+    and the head of an untied model, still warns."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args[0] in self.quiet)
+
+
+def quiet_reload_warnings(tied: bool) -> None:
+    """Install `_NothingToReload` on vLLM's reload logger in this process (once)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _NothingToReload) for f in logger.filters):
+        logger.addFilter(_NothingToReload(tied))
+
+
 class WorkerExtension:
     """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by `collective_rpc`."""
 
+    def ignore_sigint(self) -> None:
+        """Ignore SIGINT in this worker. A terminal's Ctrl-C reaches every process of its foreground group, the
+        engine's too; vLLM's worker handler (worker_main, checked on vLLM 0.32) then ends the worker mid-step, and
+        its engine core fails with pages of tracebacks. Ignoring it, the engine core (its own SIGINT handler) aborts
+        its requests and stops its workers with SIGTERM, or, with the worker in the engine-core process (one
+        device), the engine serves on and the trainer stops it (Sampler.shutdown). RPCs run in the worker's main
+        thread, as signal.signal requires; pinned by tests/test_generate.py."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def reload_weights_retie(self, weights_path: str) -> None:
-        """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`)."""
+        """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`). The warnings vLLM
+        logs for the layers a checkpoint never holds are dropped (`_NothingToReload`)."""
+        model = self.model_runner.get_model()
+        quiet_reload_warnings(bool(model.config.tie_word_embeddings))
         self.reload_weights(weights_path=weights_path)
         self._retie()
 
@@ -197,6 +235,7 @@ class WorkerExtension:
 
         pairs = torch.load(path, weights_only=True)
         model = self.model_runner.get_model()
+        quiet_reload_warnings(bool(model.config.tie_word_embeddings))
         initialize_layerwise_reload(model)
         for i in range(0, len(pairs), chunk):
             model.load_weights(pairs[i : i + chunk])
@@ -332,9 +371,15 @@ class Sampler:
 
     @classmethod
     async def create(cls, model: str, **kwargs) -> "Sampler":
-        """Start the engine (blocking this loop ~15-60 s on CPU) and label its weights version 0."""
+        """Start the engine (blocking this loop ~15-60 s on CPU), label its weights version 0, and let a terminal's
+        Ctrl-C pass its workers by (`WorkerExtension.ignore_sigint`)."""
         self = cls(model, **kwargs)
-        await self.engine.update_weight_version(str(self.version))
+        try:
+            await self.engine.update_weight_version(str(self.version))
+            await self.engine.collective_rpc("ignore_sigint")
+        except BaseException:
+            self.shutdown()
+            raise
         return self
 
     async def generate(
@@ -542,29 +587,40 @@ class Sampler:
             "gen/truncation_rate": counts["truncated"] / n,
         }
 
-    def shutdown(self) -> None:
+    def dead(self) -> str | None:
+        """Why the engine can no longer serve (shut down; its client saw it die; one of its processes exited), or
+        None while it can. Any thread; cheap enough to poll."""
+        if self.engine is None:
+            return "the vLLM engine is shut down"
+        if self.engine.errored:
+            return "the vLLM engine died"
+        exited = [
+            f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None
+        ]
+        return f"vLLM engine process {', '.join(exited)} exited" if exited else None
+
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
         """Stop the engine and wait for its processes to end (idempotent; safe from any thread). vLLM's own shutdown
-        can return while its engine-core process is still exiting; what is alive after SHUTDOWN_TIMEOUT s is killed,
-        so no process outlives this call."""
+        can return while its engine-core process is still exiting; what is alive after `timeout` s in all is killed,
+        so no process outlives this call (which returns within about timeout + 2 s)."""
+        deadline = time.monotonic() + timeout
+        left = lambda: max(0.0, deadline - time.monotonic())
         if self.engine is not None:
             logger = logging.getLogger("vllm")
-            level, _ = (
-                logger.level,
-                logger.setLevel(logging.CRITICAL),
-            )  # a dying engine core's errors are expected
+            level = logger.level
+            logger.setLevel(logging.CRITICAL)  # a dying engine core's errors are expected
             try:
-                self.engine.shutdown()
+                self.engine.shutdown(timeout=min(5.0, left()))  # vLLM's own default grace: 5 s
             finally:
                 logger.setLevel(level)
             self.engine = None
         for proc in self._procs:  # our children: join them, so multiprocessing reaps them
-            proc.join(SHUTDOWN_TIMEOUT)
+            proc.join(left())
             if proc.is_alive():
                 proc.kill()
-                proc.join(SHUTDOWN_TIMEOUT)
-        for proc in psutil.wait_procs(self._workers, timeout=SHUTDOWN_TIMEOUT)[
-            1
-        ]:  # their children (vLLM workers)
+                proc.join(1.0)
+        # their children (vLLM workers)
+        for proc in psutil.wait_procs(self._workers, timeout=left())[1]:
             proc.kill()
         self._procs, self._workers = [], []
 

@@ -26,26 +26,60 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import glob
 import os
+import re
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import psutil
 import torch
 from tqdm import tqdm
 
 import generate
 import reward
+import watchdog
 
 # weight directories alive at once: one loading, one published and waiting, one being written
 VERSIONS_ALIVE = 3
 CLOSE_TIMEOUT = (
-    20.0  # seconds close() waits at most for each step (groups cancelled, thread, processes)
+    30.0  # seconds close() takes at most in all (groups cancelled, engine stopped, thread joined)
 )
+POLL_S = 0.5  # the trainer thread's waits check for a stop request and a dead engine this often
+
+
+class Stopped(Exception):
+    """Raised by get_batch and evaluate once the pipeline's `stop` callable returns True (the trainer was asked to
+    stop: Ctrl-C): they stop waiting for the engine, whose processes a terminal's Ctrl-C stops too. An error the
+    engine raised meanwhile is its __cause__."""
+
+
+def weights_root(parent: str | None = None) -> str:
+    """A fresh directory for the weight versions handed to the sampler, in `parent` (default:
+    /dev/shm where there is one, so vLLM reloads from memory; see weights_parent). Named
+    pipeline_<pid>-<process start time>_*, so the ones a killed run left behind in `parent` are
+    known and deleted here first (the run's watchdog normally deleted them already)."""
+    if parent is None:
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for path in glob.glob(os.path.join(parent, "pipeline_*-*_*")):
+        owner = re.match(r"pipeline_(\d+)-(\d+)_", os.path.basename(path))
+        try:
+            alive = owner and int(psutil.Process(int(owner[1])).create_time()) == int(owner[2])
+        except psutil.NoSuchProcess:
+            alive = False
+        except psutil.Error:  # another user's process: not ours to judge
+            alive = True
+        if owner and not alive:
+            shutil.rmtree(path, ignore_errors=True)
+    me = psutil.Process()
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"pipeline_{me.pid}-{int(me.create_time())}_", dir=parent)
 
 
 def accept(version: int, min_version: int, max_lag: int) -> bool:
@@ -61,14 +95,14 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
     return t_next + outstanding // P - v <= max_lag
 
 
-def weights_root(
+def weights_parent(
     weights_bytes: int, fallback: str | None, shm: str = "/dev/shm", free_bytes=None
 ) -> str | None:
     """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and
     has room for VERSIONS_ALIVE versions of `weights_bytes` each (parameters x the sampler dtype's
-    bytes), else `fallback` (the run directory; None: the system temp dir). Containers often give
-    /dev/shm 64 MB, an 8B model needs 49 GB. free_bytes(path) -> bytes free there (default:
-    shutil.disk_usage), injectable for tests."""
+    bytes), else `fallback` (the run directory; None: the system temp dir, weights_root's
+    default). Containers often give /dev/shm 64 MB, an 8B model needs 49 GB. free_bytes(path) ->
+    bytes free there (default: shutil.disk_usage), injectable for tests."""
     free_bytes = free_bytes or (lambda path: shutil.disk_usage(path).free)
     if os.path.isdir(shm) and free_bytes(shm) >= VERSIONS_ALIVE * weights_bytes:
         return shm
@@ -107,7 +141,10 @@ class Pipeline:
     floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
     version: trainer version of the start weights. weights_bytes: one weight version's size on disk
     (parameters x the sampler dtype's bytes) and spill_dir: where versions go when /dev/shm lacks
-    room (`weights_root`).
+    room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's thread; once it
+    returns True, get_batch and evaluate raise Stopped and publish only deletes the directory it is
+    given. An owned engine also gets a watchdog (watchdog.py) that ends its processes if this
+    process is killed.
     Raises ValueError on bad settings, the sampler's start errors.
     """
 
@@ -130,6 +167,7 @@ class Pipeline:
         version: int = 0,
         weights_bytes: int = 0,
         spill_dir: str | None = None,
+        stop: Callable[[], bool] | None = None,
     ):
         if (
             mode not in ("pipeline", "ppo")
@@ -184,14 +222,15 @@ class Pipeline:
             asyncio.Event(),
             asyncio.Event(),
         )  # bound to the loop at first wait
-        self._root = tempfile.mkdtemp(
-            prefix="pipeline_", dir=weights_root(weights_bytes, spill_dir)
-        )
+        self._stop_requested = stop or (lambda: False)
+        self._root = weights_root(weights_parent(weights_bytes, spill_dir))
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
+        self._watchdog = None
         atexit.register(self.close)
         try:
             if isinstance(model, str):
+                self._watchdog = watchdog.start([self._root])  # before the engine's processes exist
                 self.loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
                     target=self.loop.run_forever, name="pipeline-producer", daemon=True
@@ -214,10 +253,11 @@ class Pipeline:
         self.close()
 
     def get_batch(self, version: int, timeout: float | None = None) -> Batch:
-        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped, counted, and their
-        prompts handed back to the pool (`PromptPool.release`: sampled again, not skipped). Waits in
-        0.5 s slices. Raises the producer's exception (sampler, reward, data; its traceback and a note) once stored,
-        TimeoutError after `timeout` s saying what the producer is doing, RuntimeError once closed. metrics:
+        """The next P groups with lag <= k at trainer version `version`; stale ones are dropped, counted, and
+        their prompts handed back to the pool (`PromptPool.release`: sampled again, not skipped). Waits
+        in POLL_S slices. Raises Stopped once stop() is True, the producer's exception (sampler, reward, data; its
+        traceback and a note) once stored, RuntimeError once closed or if the engine died, TimeoutError after
+        `timeout` s saying what the producer is doing. metrics:
         train/lag_min|mean|max, gen/queue_depth (left queued), gen/inflight, gen/dropped_stale, gen/tokens,
         gen/interrupt_rate, gen/truncation_rate, gen/reward_mean|std, time/trainer_wait_s, time/producer_idle_s
         (no group in flight, since the last batch), time/group_gen_s (mean seconds to sample and score a group)."""
@@ -242,7 +282,7 @@ class Pipeline:
                 left = None if timeout is None else t0 + timeout - time.perf_counter()
                 if left is not None and left <= 0:
                     raise TimeoutError(self._describe(version, timeout))
-                self._cv.wait(0.5 if left is None else min(0.5, left))
+                self._cv.wait(POLL_S if left is None else min(POLL_S, left))
             groups = [self._queue.popleft() for _ in range(self.P)]
             self._outstanding -= self.P
             self._t_next, self._round_consumed = (
@@ -289,8 +329,12 @@ class Pipeline:
         """Hand the sampler trainer version `version` (a safetensors directory) and return: PipelineRL loads it in
         flight (§3.1); PPO-off-policy-k holds it until the round's k batches are consumed. A directory from
         `weights_dir()` is deleted once loaded or superseded; others are left alone. Raises ValueError unless
-        `version` exceeds every earlier one; the producer's exception if it failed; RuntimeError once closed."""
+        `version` exceeds every earlier one; the producer's exception if it failed; RuntimeError once closed. Once
+        stop() is True it only deletes a `weights_dir()` directory: the run is stopping."""
         with self._cv:
+            if self._stop_requested():
+                self._remove(weights_dir)
+                return
             self._check()
             if version <= self._published:
                 raise ValueError(
@@ -368,46 +412,65 @@ class Pipeline:
         interrupted, truncated, version). temperature 0 is greedy; greedy=True adds one greedy sample per prompt,
         reported as eval/greedy_pass_rate (not in records, not in eval/pass_rate). No new training group starts
         while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
-        go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Raises the sampler's or reward's
-        errors, TimeoutError after `timeout` s."""
+        go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Waits in POLL_S slices. Raises the
+        sampler's or reward's errors (or the producer's, or RuntimeError if the engine died), Stopped once stop()
+        is True, TimeoutError after `timeout` s."""
         future = asyncio.run_coroutine_threadsafe(
             self._evaluate(prompts, n, temperature, greedy, progress), self.loop
         )
+        t0 = time.perf_counter()
         try:
-            return future.result(timeout)
-        except BaseException:
+            while True:
+                with self._cv:
+                    self._check()
+                left = None if timeout is None else t0 + timeout - time.perf_counter()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"evaluation not done within {timeout} s")
+                try:
+                    return future.result(POLL_S if left is None else min(POLL_S, left))
+                except TimeoutError:
+                    if future.done():  # the evaluation's own TimeoutError
+                        raise
+        except BaseException as exc:
             future.cancel()
+            if self._stop_requested() and not isinstance(exc, Stopped):
+                raise Stopped("stop requested during the evaluation") from exc
             raise
 
     def close(self) -> None:
         """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
-        join the thread, end the engine's processes and idle reward workers, delete weight directories. Idempotent;
-        each wait is bounded by CLOSE_TIMEOUT, so it returns whatever state the producer is in."""
+        join the thread, end the engine's processes and idle reward workers, delete weight directories, end the
+        watchdog. Idempotent. Returns within about CLOSE_TIMEOUT s in all, whatever state the producer and the
+        engine are in (a dead or hung engine included): each wait gets what is left of that budget, and the engine's
+        processes still alive at its end are killed."""
         with self._cv:
             if self._closed:
                 return
             self._closed = True
             self._cv.notify_all()
         atexit.unregister(self.close)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        left = lambda: max(0.0, deadline - time.monotonic())
         if self._producer is not None:
-            self._on_loop(self._stop())
+            self._on_loop(self._stop(), min(left(), 10.0))
         waiter = threading.Thread(
             target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
         )
         waiter.start()  # running reward calls hold workers that reward.close() would leave alive
-        waiter.join(CLOSE_TIMEOUT)
+        waiter.join(left())
         if self._thread is not None:
             if self.sampler is not None:
-                self.sampler.shutdown()
-                self._on_loop(
-                    asyncio.sleep(0.2)
-                )  # let vLLM's cancelled tasks finish before the loop stops
+                self.sampler.shutdown(timeout=max(left(), 1.0))  # kills what is left after it
+                # let vLLM's cancelled tasks finish before the loop stops
+                self._on_loop(asyncio.sleep(0.2), left())
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(CLOSE_TIMEOUT)
+            self._thread.join(left())
             if not self._thread.is_alive():
                 self.loop.close()
         reward.close()
         shutil.rmtree(self._root, ignore_errors=True)
+        if self._watchdog is not None:
+            watchdog.stop(self._watchdog)
 
     async def _produce(self) -> None:
         self._task, tasks = asyncio.current_task(), set()
@@ -610,21 +673,31 @@ class Pipeline:
 
     async def _stop(self) -> None:
         self._task.cancel()
-        await asyncio.gather(
-            self._task, *[self._loading] if self._loading else [], return_exceptions=True
-        )
+        # A borrowed engine must not be left paused, so its weight load finishes first; an owned one is shut down
+        # next, and its load may hang on an engine that died (a terminal's Ctrl-C): not awaited.
+        owned = self._thread is not None
+        if owned and self._loading:
+            self._loading.cancel()
+        load = [self._loading] if self._loading and not owned else []
+        await asyncio.gather(self._task, *load, return_exceptions=True)
 
-    def _on_loop(
-        self, coro
-    ) -> None:  # for close(): a stuck loop must not keep it from shutting the rest down
+    def _on_loop(self, coro, timeout: float) -> None:
+        # for close(): a stuck loop must not keep it from shutting the rest down
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(coro, self.loop).result(CLOSE_TIMEOUT)
+            future.result(timeout)
+        future.cancel()  # if it timed out; a coroutine never started is closed with it
 
-    def _check(self) -> None:  # with self._cv held
+    def _check(self) -> None:  # with self._cv held; the trainer's waits call it every POLL_S
+        if self._stop_requested():
+            raise Stopped("stop requested") from self._error
         if self._error is not None:
             raise self._error
         if self._closed:
             raise RuntimeError("the pipeline is closed")
+        dead = self.sampler.dead() if isinstance(self.sampler, generate.Sampler) else None
+        if dead:
+            raise RuntimeError(f"{dead}; the pipeline cannot go on")
 
     def _fail(self, exc: BaseException, doing: str) -> None:
         exc.add_note(f"raised in the pipeline's producer thread while {doing}")

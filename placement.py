@@ -27,6 +27,9 @@ Memory is estimated per GPU, in bytes (departures from a measurement, and why):
 import shlex
 from dataclasses import dataclass, field
 
+# vLLM's KV cache on CPU when neither --kv-cache-gib nor a GPU memory share is given (GiB)
+CPU_KV_CACHE_GIB = 1.0
+
 GIB = 2**30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL buffers and allocator slack of one process (estimate)
 VLLM_RESERVE_BYTES = 4 * GIB  # vLLM's activations, CUDA graphs and sampler buffers (estimate)

