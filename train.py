@@ -28,6 +28,7 @@ Where it departs from the paper, and why:
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -45,11 +46,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
+import code_reward
 import data
 import filters
 import fit
 import loss
 import pipeline
+import reward
+import sandbox
 import tiny
 from config import Args, parse_args, validate
 
@@ -244,6 +248,20 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     }
 
 
+def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
+    """The reward function of each task among `prompts`, for the pipeline: math-verify for math, the problem's unit
+    tests run in a bubblewrap sandbox for code. Exits with sandbox.check's one-line error when code is present and
+    no sandbox can be made here; --unsafe-no-sandbox runs code without one, warning on every start."""
+    fns = {"math": reward.math_rewards}
+    if any(p.task == "code" for p in prompts):
+        try:
+            sandbox.check(sandboxed=not unsafe_no_sandbox)
+        except RuntimeError as e:
+            raise SystemExit(f"train.py: {e}") from None
+        fns["code"] = functools.partial(code_reward.code_rewards, sandboxed=not unsafe_no_sandbox)
+    return fns
+
+
 def curve_fit(history: list[dict], steps: int) -> dict:
     """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and predict the pass
     rate at the last step, extrapolating compute linearly in steps. {} until there are 4 points past step 0."""
@@ -349,6 +367,7 @@ def main(args: Args) -> None:
         answer_key=args.answer_key,
         seed=args.seed,
     )
+    rewards = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
     for turn in (
         master,
         not master,
@@ -442,6 +461,7 @@ def main(args: Args) -> None:
             prompts_per_batch=P,
             max_lag=args.max_lag,
             mode=args.async_mode,
+            reward_fn=rewards,
             sampler_kwargs=sampler_kwargs,
             version=step,
         )
@@ -552,6 +572,7 @@ def main(args: Args) -> None:
                                 "text": g.completions[0].text,
                                 "gold": g.prompt.gold,
                                 "reward": g.rewards[0],
+                                "reason": g.reasons[0] if g.reasons else None,
                             }
                         )
                         + "\n"
