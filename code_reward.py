@@ -189,13 +189,9 @@ def _deepcoder(row: dict) -> tuple[str, dict]:
         cases, fn = list(zip(raw["inputs"], raw["outputs"], strict=True)), raw.get("fn_name")
     else:  # LiveCodeBench / PrimeIntellect: a list of test objects
         cases, first = [(t["input"], t["output"]) for t in raw], raw[0]
+        names = [first.get("fn_name"), (first.get("metadata") or {}).get("func_name")]
         call = first.get("testtype") == "functional" or first.get("type") == "function_call"
-        names = (first.get("fn_name"), (first.get("metadata") or {}).get("func_name"))
-        fn = (
-            next((n for n in names if n), meta.get("func_name"))
-            if call or first.get("fn_name")
-            else None
-        )
+        fn = next((n for n in [*names, meta.get("func_name")] if n), None) if call else names[0]
     if not cases:
         raise ValueError("no tests")
     cases = sorted(cases, key=lambda c: len(json.dumps(c[0])), reverse=True)[:MAX_TESTS]
@@ -203,25 +199,21 @@ def _deepcoder(row: dict) -> tuple[str, dict]:
     question = row["problem"].strip() + "\n\n"
     if starter:
         question += f"Start from this code:\n```python\n{starter}\n```\n"
-    if (
-        fn
-    ):  # LiveCodeBench writes each argument as a JSON line, the result as JSON; TACO stores objects
-        args = [
-            i if isinstance(i, list) else [json.loads(s) for s in i.splitlines() if s]
-            for i, _ in cases
-        ]
-        outs = [json.loads(o) if isinstance(i, str) else o for i, o in cases]
-        question += FORMAT.format(what=f"solution, with the function `{fn}`,")
-        tests = dict(
-            kind="call", fn_name=fn, inputs=args, outputs=outs, unwrap=isinstance(cases[0][0], list)
-        )
-        return question, tests
-    question += "Read the input from standard input and write the answer to standard output. "
-    question += FORMAT.format(what="program")
-    text = lambda x: "\n".join(map(str, x)) if isinstance(x, list) else str(x)
-    return question, dict(
-        kind="stdio", inputs=[text(i) for i, _ in cases], outputs=[text(o) for _, o in cases]
-    )
+    if not fn:
+        question += "Read the input from standard input and write the answer to standard output. "
+        text = lambda x: "\n".join(map(str, x)) if isinstance(x, list) else str(x)
+        tests = dict(kind="stdio", inputs=[text(i) for i, _ in cases])
+        tests.update(outputs=[text(o) for _, o in cases])
+        return question + FORMAT.format(what="program"), tests
+    # LiveCodeBench writes each argument as a JSON line and the result as JSON; TACO stores the objects,
+    # each result wrapped in a list. LeetCode starters annotate with List, Optional: import typing first.
+    args = [
+        i if isinstance(i, list) else [json.loads(a) for a in i.splitlines() if a] for i, _ in cases
+    ]
+    outs = [json.loads(o) if isinstance(i, str) else o for i, o in cases]
+    tests = dict(kind="call", prelude="from typing import *\n", fn_name=fn, inputs=args)
+    tests.update(outputs=outs, unwrap=isinstance(cases[0][0], list))
+    return question + FORMAT.format(what=f"solution, with the function `{fn}`,"), tests
 
 
 def _json(value):

@@ -367,7 +367,7 @@ def main(args: Args) -> None:
         answer_key=args.answer_key,
         seed=args.seed,
     )
-    rewards = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
+    reward_fn = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
     for turn in (
         master,
         not master,
@@ -461,7 +461,7 @@ def main(args: Args) -> None:
             prompts_per_batch=P,
             max_lag=args.max_lag,
             mode=args.async_mode,
-            reward_fn=rewards,
+            reward_fn=reward_fn,
             sampler_kwargs=sampler_kwargs,
             version=step,
         )
