@@ -117,8 +117,7 @@ def code_rewards(
     global _SLOTS
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
-    if sandboxed:
-        sandbox.check()
+    sandbox.check(sandboxed)  # raises, or warns once per process when unsafe
     with _LOCK:
         _SLOTS = _SLOTS or threading.BoundedSemaphore(WORKERS)
     tests = {g: _parse_gold(g) for g in set(golds)}

