@@ -1,14 +1,14 @@
-"""Code reward: the completion's last ```python block against the problem's tests, run by sandbox.py.
+"""Code reward: a completion's last ```python block, run by sandbox.py against its problem's tests.
 
-Paper §5 and A.16 (PAPER.md 10.1): the math+code runs train on Polaris and DeepCoder together, each code
-completion graded by executing it against the problem's unit tests, reward 1 when all pass. Exercised by
-`python -m pytest tests/test_code_reward.py`, `python bench/code_reward.py` and
-`python train.py --data humaneval` (also `deepcoder`, `polaris+deepcoder`). `code_problem` turns a dataset
-row into a prompt's question and its gold, a JSON tests document of one of three kinds:
-- "check" (HumanEval, MBPP): `prelude` (HumanEval's prompt: imports, helpers, the stub) + the code, then
-  `test`, then `check(<entry_point>)`; passing means nothing raised.
-- "stdio" (DeepCoder / APPS / TACO programs): one run per input on stdin; the outputs come back here and
-  are compared with `outputs` (`same_output`).
+Paper §5 and A.16 (PAPER.md 10.1): the math+code runs train on Polaris and DeepCoder together, each
+code completion graded by executing it against the problem's unit tests, reward 1 when all pass.
+Exercised by `python -m pytest tests/test_code_reward.py`, `python bench/code_reward.py` and
+`python train.py --data humaneval` (also `deepcoder`, `polaris+deepcoder`). `code_problem` turns a
+dataset row into a prompt's question and its gold, a JSON tests document of one of three kinds:
+- "check" (HumanEval, MBPP): `prelude` (HumanEval's prompt: imports, helpers, the stub) + the code,
+  then `test`, then `check(<entry_point>)`; passing means nothing raised.
+- "stdio" (DeepCoder / APPS / TACO programs): one run per input on stdin; the outputs come back here
+  and are compared with `outputs` (`same_output`).
 - "call" (DeepCoder / LiveCodeBench / TACO call-based): `fn_name`, a function or a method of
   `class Solution`, called with each argument list; the results come back as JSON, compared here.
 Expected outputs of stdio and call tests never enter the sandbox, so code cannot read them there.
@@ -16,8 +16,8 @@ Expected outputs of stdio and call tests never enter the sandbox, so code cannot
 Where this departs from the paper and its sources, and why:
 1. The reward is 1.0 / 0.0 with a reason per sample (REASONS), counted in train.py's metrics as
    `reward/code/<reason>`, so a run can tell missing code blocks from wrong logic.
-2. A DeepCoder problem keeps its MAX_TESTS longest inputs (the strongest tests; rllm's grader keeps 15),
-   and `timeout` bounds a sample's whole run, all of its tests together.
+2. A DeepCoder problem keeps its MAX_TESTS longest inputs (the strongest tests; rllm's grader keeps
+   15), and `timeout` bounds a sample's whole run, all of its tests together.
 3. Model code runs with the standard library only (`python -I -S`): numpy-style imports crash.
 """
 
@@ -38,8 +38,9 @@ _SLOTS: threading.BoundedSemaphore | None = None  # WORKERS, shared by every cal
 
 
 def extract_code(response: str, thinking: bool) -> str | None:
-    """The last closed fenced block tagged python / py / python3, or untagged, in `response` (after its
-    last `</think>` when `thinking`; no `</think>` means no code), or None. Line-based: linear time."""
+    """The last closed fenced block tagged python / py / python3, or untagged, in `response` (after
+    its last `</think>` when `thinking`; no `</think>` means no code), or None. Line-based: linear
+    time."""
     if thinking:
         response = response.rsplit("</think>", 1)[1] if "</think>" in response else ""
     code, lines, lang = None, None, None
@@ -57,8 +58,9 @@ def extract_code(response: str, thinking: bool) -> str | None:
 
 
 def same_output(got: str, expected: str) -> bool:
-    """stdio verdict: the same non-blank lines, each with the same whitespace-separated tokens, a token
-    equal as text or as a finite decimal ("1.50" == "1.5"); surrounding whitespace does not count."""
+    """stdio verdict: the same non-blank lines, each with the same whitespace-separated tokens, a
+    token equal as text or as a finite decimal ("1.50" == "1.5"); surrounding whitespace does not
+    count."""
     g = [line.split() for line in got.splitlines() if line.strip()]
     e = [line.split() for line in expected.splitlines() if line.strip()]
     return len(g) == len(e) and all(
@@ -77,8 +79,9 @@ def _decimal(token: str) -> Decimal | None:
 
 
 def grade(code: str | None, tests: dict, timeout: float = 5.0, sandboxed: bool = True) -> str:
-    """The reason (REASONS) for one code block against one problem's tests (a parsed gold): "passed" when
-    every test passes. Raises RuntimeError when sandboxed and no sandbox can be made (sandbox.check)."""
+    """The reason (REASONS) for one code block against one problem's tests (a parsed gold): "passed"
+    when every test passes. Raises RuntimeError when sandboxed and no sandbox can be made
+    (sandbox.check)."""
     if code is None:
         return "no_code"
     job = {k: v for k, v in tests.items() if k not in ("prelude", "outputs", "unwrap")}
@@ -108,12 +111,12 @@ def code_rewards(
     *,
     sandboxed: bool = True,
 ) -> tuple[list[float], list[str]]:
-    """(rewards, reasons), one each per response: 1.0 when its last python block passes every test of its
-    gold (a tests document from `code_problem`), else 0.0, and why (REASONS). Distinct (gold, code) pairs
-    run once, in parallel, at most WORKERS sandboxes at once in this process. timeout: seconds for one
-    sample's whole run. Safe from any thread; never raises on model output. Raises ValueError on mismatched
-    lengths or a gold that is not a tests document, RuntimeError when sandboxed and no sandbox can be made
-    here (sandbox.check)."""
+    """(rewards, reasons), one each per response: 1.0 when its last python block passes every test
+    of its gold (a tests document from `code_problem`), else 0.0, and why (REASONS). Distinct (gold,
+    code) pairs run once, in parallel, at most WORKERS sandboxes at once in this process. timeout:
+    seconds for one sample's whole run. Safe from any thread; never raises on model output. Raises
+    ValueError on mismatched lengths or a gold that is not a tests document, RuntimeError when
+    sandboxed and no sandbox can be made here (sandbox.check)."""
     global _SLOTS
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
@@ -145,7 +148,7 @@ def _parse_gold(gold: str) -> dict:
     return tests
 
 
-# ---- problems: dataset rows -> (question, gold) ---------------------------------------------------------
+# ---- problems: dataset rows -> (question, gold) --------------------------------------------------
 
 
 def is_code_row(row: dict) -> bool:
@@ -155,11 +158,11 @@ def is_code_row(row: dict) -> bool:
 
 def code_problem(row: dict) -> tuple[str, str]:
     """(question, gold) for a code row. HumanEval: prompt, test, entry_point. MBPP: text, test_list
-    (+ test_setup_code). DeepCoder: problem, tests (JSON text or object: TACO's {"inputs", "outputs",
-    "fn_name"}, or LiveCodeBench / PrimeIntellect's [{"input", "output", "testtype" or "type",
-    "metadata": {"func_name"}}]), starter_code, metadata ({"func_name"}). question: the problem and the
-    instruction to answer in one ```python block; gold: the tests document as JSON. Raises ValueError
-    naming what is unusable (data.build_prompts counts it)."""
+    (+ test_setup_code). DeepCoder: problem, tests (JSON text or object: TACO's {"inputs",
+    "outputs", "fn_name"}, or LiveCodeBench / PrimeIntellect's [{"input", "output", "testtype" or
+    "type", "metadata": {"func_name"}}]), starter_code, metadata ({"func_name"}). question: the
+    problem and the instruction to answer in one ```python block; gold: the tests document as JSON.
+    Raises ValueError naming what is unusable (data.build_prompts counts it)."""
     try:
         if "entry_point" in row:
             prompt = row["prompt"].rstrip() + "\n"
@@ -204,8 +207,9 @@ def _deepcoder(row: dict) -> tuple[str, dict]:
         tests = dict(kind="stdio", inputs=[text(i) for i, _ in cases])
         tests.update(outputs=[text(o) for _, o in cases])
         return question + FORMAT.format(what="program"), tests
-    # LiveCodeBench writes each argument as a JSON line and the result as JSON; TACO stores the objects,
-    # each result wrapped in a list. LeetCode starters annotate with List, Optional: import typing first.
+    # LiveCodeBench writes each argument as a JSON line and the result as JSON; TACO stores the
+    # objects, each result wrapped in a list. LeetCode starters annotate with List, Optional: import
+    # typing first.
     args = [
         i if isinstance(i, list) else [json.loads(a) for a in i.splitlines() if a] for i, _ in cases
     ]

