@@ -15,9 +15,10 @@ Where this departs from the paper, and why:
    interruption budget (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the
    question into an SFT pool (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is
    ever trained on.
-4. Code rows (HumanEval, MBPP, DeepCoder: code_reward.code_problem) carry their own instruction, to answer in
-   one ```python block, and their tests as the gold; each prompt names its task ("math", "code"), which picks
-   its reward. A mixture "a+b" concatenates its sources (sampling by task weight is not implemented yet).
+4. Code rows (HumanEval, MBPP, DeepCoder: code_reward.code_problem) carry their own instruction,
+   to answer in one ```python block, and their tests as the gold; each prompt names its task
+   ("math", "code"), which picks its reward. A mixture "a+b" concatenates its sources (sampling
+   by task weight is not implemented yet).
 """
 
 import json
@@ -300,8 +301,8 @@ def load_prompts(
 
     Prints one line: how many prompts, and the skipped rows counted by reason. `instruction` defaults to
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
-    naming the source and the reasons when no valid row remains (and see read_rows). "a+b" (a mixture, such as
-    polaris+deepcoder): the prompts of each source, one after another, indexed in that order."""
+    naming the source and the reasons when no valid row remains (and see read_rows).
+    "a+b" (a mixture, such as polaris+deepcoder): each source's prompts in turn, indexed so."""
     if "+" in source and not os.path.exists(source):
         kw = dict(thinking=thinking, max_prompt_len=max_prompt_len, question_key=question_key)
         kw.update(answer_key=answer_key, instruction=instruction, size=size, seed=seed)

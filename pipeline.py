@@ -2,9 +2,9 @@
 
 PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
 asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
-them in a thread with their task's reward (`reward.math_rewards`, `code_reward.code_rewards`) and queues them;
-the trainer takes batches of P groups, publishes weights (loaded in flight) and evaluates. Run by
-`pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
+them in a thread with their task's reward (`reward.math_rewards`, `code_reward.code_rewards`) and
+queues them; the trainer takes batches of P groups, publishes weights (loaded in flight) and
+evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
 
     with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8) as pipe:
         batch = pipe.get_batch(v)  # ...train...; then save to pipe.weights_dir(v + 1) and pipe.publish(that_dir, v + 1)
@@ -60,8 +60,8 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
 
 
 def reason_fractions(groups) -> dict[str, float]:
-    """{"reward/<task>/<reason>": share of the task's graded samples in `groups` with that reason}, over groups
-    whose reward function gave reasons (code: passed, no_code, wrong_answer, ...); {} when none did."""
+    """{"reward/<task>/<reason>": share of the task's samples in `groups` with that reason}, over
+    the groups whose reward function gave reasons (code: passed, no_code, ...); {} if none did."""
     counts, totals = collections.Counter(), collections.Counter()
     for g in groups:
         task = getattr(g.prompt, "task", "math")
@@ -99,11 +99,12 @@ class Pipeline:
     own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
     thread (borrowed: left running). prompts[i]: prompt_ids, gold, thinking (data.Prompt), i from pool.next(). mode
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
-    version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
-    a list of floats, as `reward.math_rewards`, or (floats, reasons), as `code_reward.code_rewards`; or a dict
-    task -> such a function, picked by each prompt's `task` (default "math"). gen_timeout: seconds to sample and
-    score one group before the pipeline fails. version: trainer version of the start weights. Raises ValueError on
-    bad settings, the sampler's start errors.
+    version. max_inflight: groups generated at once (default 2P).
+    reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
+    (floats, reasons), as `code_reward.code_rewards`; or a dict task -> such a function, picked by
+    each prompt's `task` (default "math"). gen_timeout: seconds to sample and score one group before
+    the pipeline fails. version: trainer version of the start weights. Raises ValueError on bad
+    settings, the sampler's start errors.
     """
 
     def __init__(
@@ -542,9 +543,9 @@ class Pipeline:
         return metrics, records
 
     async def _score(self, prompt, texts: list[str]) -> tuple[list[float], list[str] | None]:
-        """(rewards, reasons or None) of `texts`, completions of `prompt`, from its task's reward function, run
-        in the reward thread pool. Raises ValueError when no function grades the prompt's task or the function
-        returns the wrong number of values."""
+        """(rewards, reasons or None) of `texts`, completions of `prompt`, from its task's reward
+        function, run in the reward thread pool. Raises ValueError when no function grades the
+        prompt's task or the function returns the wrong number of values."""
         fn, task = self.reward_fn, getattr(prompt, "task", "math")
         if isinstance(fn, dict) and task not in fn:
             raise ValueError(f"no reward function for task {task!r} (have {sorted(fn)})")

@@ -249,9 +249,10 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
 
 
 def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
-    """The reward function of each task among `prompts`, for the pipeline: math-verify for math, the problem's unit
-    tests run in a bubblewrap sandbox for code. Exits with sandbox.check's one-line error when code is present and
-    no sandbox can be made here; --unsafe-no-sandbox runs code without one, warning on every start."""
+    """The reward function of each task among `prompts`, for the pipeline: math-verify for math, the
+    problem's unit tests run in a bubblewrap sandbox for code. Exits with sandbox.check's one-line
+    error when code is present and no sandbox can be made here; --unsafe-no-sandbox runs code
+    without one, with a warning at every start."""
     fns = {"math": reward.math_rewards}
     if any(p.task == "code" for p in prompts):
         try:

@@ -6,9 +6,9 @@ real run whose fake trainer publishes perturbed weights every step, for k = 0, 1
 <= k, with k = 0 every token of a batch comes from the trainer's current version, versions never decrease inside a
 completion, no group is lost or delivered twice (groups started = consumed + dropped + the k * P the throttle lets
 run ahead once the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted,
-superseded weight directories deleted, and `evaluate` runs on the newest published weights; each prompt is scored by
-its task's reward function, reasons reach the batch metrics as per-task fractions and the eval records, and a task
-without a reward function fails the run; (4) failures: a reward
+superseded weight directories deleted, and `evaluate` runs on the newest published weights; each
+prompt is scored by its task's reward function, reasons reach the batch metrics as per-task
+fractions and the eval records, and a task without a reward function fails; (4) failures: a reward
 function raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a
 hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
 and close() cancels hung requests; (5) PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt
