@@ -94,6 +94,11 @@ def _sandbox_main() -> None:
         (resource.RLIMIT_CORE, (0, 0)),
     ]:
         resource.setrlimit(limit, value)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
+    # killed trainer leaves no unsandboxed run behind either
+    if libc.prctl(1, 9, 0, 0, 0) or os.getppid() != job["parent"]:
+        report("sandbox_error")
     # seccomp: fork, vfork and clone without CLONE_THREAD fail with EAGAIN; clone3 with ENOSYS, so
     # that glibc creates threads with clone. Another ABI (x32, i386) kills the process.
     arch = {"x86_64": (0xC000003E, 57, 58, 56), "aarch64": (0xC00000B7, -1, -1, 220)}
@@ -121,7 +126,6 @@ def _sandbox_main() -> None:
         code = b"".join(struct.pack("HBBI", *i) for i in prog)
         buf = ctypes.create_string_buffer(code, len(code))
         fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
-        libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0):
             report("sandbox_error")  # PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP with SECCOMP_MODE_FILTER
     builtins.exit = builtins.quit = sys.exit  # `site` defines them; programs call exit()
@@ -129,9 +133,8 @@ def _sandbox_main() -> None:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
 
-    def status_of(
-        exc, tb
-    ):  # raised with a frame in the model's code: its crash; else the tests failed
+    # raised with a frame in the model's code: its crash; else the tests failed
+    def status_of(exc, tb):
         if isinstance(exc, MemoryError):
             return "memory"
         while tb is not None:
@@ -291,7 +294,9 @@ def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | 
         check()
     nonce = secrets.token_hex(16)
     limits = dict(cpu_s=max(1, math.ceil(timeout)), memory=MEMORY, file_size=FILE_SIZE)
-    payload = json.dumps({**job, **limits, "processes": PROCESSES, "nonce": nonce}).encode()
+    parent = 1 if sandboxed else os.getpid()  # sandboxed: bwrap's init, pid 1 of the namespace
+    limits.update(processes=PROCESSES, parent=parent)
+    payload = json.dumps({**job, **limits, "nonce": nonce}).encode()
     with nullcontext("/") if sandboxed else tempfile.TemporaryDirectory(prefix="sandbox_") as cwd:
         env = {} if sandboxed else {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
         proc = subprocess.Popen(

@@ -4,9 +4,10 @@ each contained within its time limit + 2 s with no sandbox process left behind: 
 nothing started), writing outside its temporary directory (fails, the host file never appears; /tmp
 itself is writable), reading a file placed in a run directory, reading an environment variable the
 test process set, connecting to TCP and abstract unix servers on the host's loopback, and os.kill of
-the grading process's pid (it survives). The sandbox sees neither the project, the run directory nor
-$HOME, threads still work, an early os._exit is no pass. Where no user namespace can be made,
-grading refuses with one line naming the capability; the unsafe mode warns and still grades."""
+the grading process's pid (it survives). The sandbox sees neither the project, the run directory
+nor $HOME, threads still work, an early os._exit is no pass; a trainer killed mid-grade leaves no
+run behind (sandboxed or not). Where no user namespace can be made, grading refuses with one line
+naming the capability; the unsafe mode warns and still grades."""
 
 import json
 import os
@@ -192,6 +193,34 @@ def test_os_kill_of_the_parent_leaves_the_trainer_running():
     alive, why, elapsed = child.stdout.split()
     assert (alive, why) == ("alive", "passed")  # it ran to the end; nobody outside was hit
     assert float(elapsed) < TIMEOUT + SLACK
+
+
+SLEEPER = """
+import json, sys, threading, time
+sys.path.insert(0, {root!r})
+import code_reward
+gold = json.dumps({{"kind": "stdio", "inputs": [""], "outputs": ["1"]}})
+code = "```python\\nimport time\\ntime.sleep(60)\\n```"
+args = ([code], [gold], False, 30.0)
+threading.Thread(target=code_reward.code_rewards, args=args, kwargs={kwargs}).start()
+time.sleep(2.0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [True, False])
+def test_no_run_outlives_a_killed_trainer(sandboxed):
+    script = SLEEPER.format(root=ROOT, kwargs=dict(sandboxed=sandboxed))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    assert sandbox_pids()  # the sleeper is running
+    child.kill()  # SIGKILL: no atexit, no cleanup in the trainer
+    child.wait()
+    deadline = time.monotonic() + SLACK
+    while sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sandbox_pids() == set()
 
 
 def test_early_exit_is_no_pass():
