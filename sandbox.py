@@ -161,11 +161,9 @@ def _sandbox_main() -> None:
             env = {"__name__": "solution"}
             exec(program, env)
             for args in job["inputs"]:
-                fn = env.get(job["fn_name"])
-                if isinstance(env.get("Solution"), type) and hasattr(
-                    env["Solution"], job["fn_name"]
-                ):
-                    fn = getattr(env["Solution"](), job["fn_name"])
+                fn, cls = env.get(job["fn_name"]), env.get("Solution")
+                if isinstance(cls, type) and hasattr(cls, job["fn_name"]):  # LeetCode style
+                    fn = getattr(cls(), job["fn_name"])
                 outputs.append(fn(*args))
         else:  # stdio: each input is a fresh stdin file, each output a fresh stdout file
             for text in job["inputs"]:
@@ -173,7 +171,10 @@ def _sandbox_main() -> None:
                 os.write(fd, text.encode())
                 os.lseek(fd, 0, os.SEEK_SET)
                 os.dup2(fd, 0)
-                os.dup2(os.memfd_create("stdout"), 1)
+                os.close(fd)
+                fd = os.memfd_create("stdout")
+                os.dup2(fd, 1)
+                os.close(fd)
                 sys.stdin = sys.__stdin__ = open(0, closefd=False)
                 sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
                 try:
@@ -218,13 +219,8 @@ def _bwrap() -> tuple[list[str], str | None]:
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
     size = ["--size", str(TMPFS)] if version and _at_least(version[-1], (0, 10)) else []
     mounts = ["--ro-bind", "/usr", "/usr"]
-    for d in (
-        "/bin",
-        "/sbin",
-        "/lib",
-        "/lib32",
-        "/lib64",
-    ):  # merged-/usr links, or real directories
+    # merged-/usr links, or real directories
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(d):
             mounts += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
@@ -233,28 +229,15 @@ def _bwrap() -> tuple[list[str], str | None]:
         mounts += ["--ro-bind", d, d]
     argv = [exe, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534"]
     argv += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]
-    argv += [
-        "--setenv",
-        "PATH",
-        "/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        "/tmp",
-        "--setenv",
-        "LANG",
-        "C.UTF-8",
-    ]
+    for name, value in [("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("LANG", "C.UTF-8")]:
+        argv += ["--setenv", name, value]
     argv += [*mounts, "--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp"]
     argv += ["--remount-ro", "/", "--chdir", "/tmp"]
     probe = subprocess.run([*argv, _python()[0], "-I", "-S", "-c", "pass"], capture_output=True)
     if probe.returncode != 0:
-        said = (probe.stderr.decode(errors="replace").strip() or f"exit {probe.returncode}").split(
-            "\n"
-        )[0]
-        return (
-            [],
-            f"bwrap cannot create a sandbox here (needs unprivileged user namespaces): {said}",
-        )
+        said = probe.stderr.decode(errors="replace").strip().split("\n")[0]
+        why = "needs unprivileged user namespaces"
+        return [], f"bwrap cannot create a sandbox here ({why}): {said or probe.returncode}"
     return argv, None
 
 
