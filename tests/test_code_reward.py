@@ -2,12 +2,13 @@
 unclosed fences); stdio outputs compare by lines and tokens, decimals equal as numbers; a table of
 (code, tests) -> reason decided by hand for each kind of test (check / stdio / call, Solution
 methods, APPS's wrapped results); the batch path gives rewards and reasons and runs repeats once; a
-bad gold raises. HumanEval through the sandbox: the 164 canonical solutions all pass, and with every
-body `return None` the sandbox gives per problem the verdict of running prompt + body + test + check
-directly with python. DeepCoder-shaped rows (TACO stdio and call-based, LiveCodeBench functional and
-stdin, PrimeIntellect) load through `data.load_prompts` from a local file as code prompts whose
-golds grade known solutions right; bad rows are skipped and counted; the `deepcoder` preset asks the
-hub for its three train configs, and `polaris+deepcoder` concatenates math and code prompts."""
+bad gold raises; an MBPP row grades. HumanEval through the sandbox: the 164 canonical solutions all
+pass, and with every body `return None` the sandbox gives per problem the verdict of running prompt
++ body + test + check directly with python. DeepCoder-shaped rows (TACO stdio and call-based,
+LiveCodeBench functional and stdin, PrimeIntellect) load through `data.load_prompts` from a local
+file as code prompts whose golds grade known solutions right; bad rows are skipped and counted; the
+`deepcoder` preset asks the hub for its three train configs, and `polaris+deepcoder` concatenates
+math and code prompts."""
 
 import json
 import subprocess
@@ -116,6 +117,19 @@ def test_code_rewards_batch_reasons_and_repeats():
         code_rewards([right], [gold, gold])
     with pytest.raises(ValueError, match="tests document"):
         code_rewards([right], ["42"], thinking=False)
+
+
+def test_mbpp_row():
+    row = {
+        "text": "Write a function to add two numbers.",
+        "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
+        "test_setup_code": "",
+    }
+    question, gold = code_reward.code_problem(row)
+    assert question.startswith(row["text"]) and "assert add(1, 2) == 3" in question
+    tests = json.loads(gold)
+    assert grade("def add(a, b):\n    return a + b\n", tests) == "passed"
+    assert grade("def add(a, b):\n    return a - b\n", tests) == "wrong_answer"
 
 
 # ---------------------------------------------------------------- HumanEval (the acceptance tests)
