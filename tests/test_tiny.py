@@ -66,6 +66,21 @@ def test_warm_start_example_masks(tok):
     )
 
 
+def test_warm_start_loss_label_smoothing_by_hand():
+    # position 0: uniform over 4 ids; position 1: p = (1, 2, 3, 4) / 10; position 2 masked out
+    logits = torch.log(torch.tensor([[[1.0, 1, 1, 1], [1, 2, 3, 4], [9, 1, 1, 1]]]))  # (1, 3, 4)
+    targets, mask = torch.tensor([[1, 2, 3]]), torch.tensor([[1.0, 1.0, 0.0]])
+    plain = (math.log(4) - math.log(0.3)) / 2
+    assert math.isclose(
+        tiny.warm_start_loss(logits, targets, mask, 0.0, 3).item(), plain, rel_tol=1e-6
+    )
+    # smoothing 0.1 over ids 0-2 only (id 3 stands for the embedding's padding rows)
+    pos0 = math.log(4)  # every id has p = 1/4: smoothing changes nothing
+    pos1 = 0.9 * -math.log(0.3) + 0.1 * -(math.log(0.1) + math.log(0.2) + math.log(0.3)) / 3
+    got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3).item()
+    assert math.isclose(got, (pos0 + pos1) / 2, rel_tol=1e-6)
+
+
 def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     calls = []
 

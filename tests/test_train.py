@@ -81,7 +81,7 @@ def metrics(run_dir):
 def test_recipes_set_the_papers_flags_and_explicit_flags_win():
     a = (
         config.Args()
-    )  # ScaleRL's choices; the tiny preset (the default --model) changes only k, to 2
+    )  # ScaleRL's choices; the tiny preset (the default --model) sets k = 2 and the run's size
     assert (
         config.parse_args([]).max_lag == 2
         and config.parse_args(["--model", "qwen3-8b"]).max_lag == 8
@@ -319,7 +319,10 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     monkeypatch.setenv("MASTER_PORT", str(train.free_port()))
     train.setup_distributed()
     try:
-        for argv, steps, saved in (("--run-dir", 80, ""), ("--resume", 7, " with its saved flags")):
+        for argv, steps, saved in (
+            ("--run-dir", 100, ""),
+            ("--resume", 7, " with its saved flags"),
+        ):
             stopped_early()
             args = config.parse_args([argv, str(stale)])
             config.validate(args, 1)
