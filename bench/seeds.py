@@ -133,14 +133,18 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per train.py run")
     args, extra = p.parse_known_args(argv)  # unknown flags go to train.py
     os.makedirs(args.runs_dir, exist_ok=True)
-    runs, wall = {}, {}
+    runs, wall, failed = {}, {}, {}
     for seed in args.seeds:
         run_dir = os.path.join(args.runs_dir, f"s{seed}")
         if not (args.reuse and os.path.exists(os.path.join(run_dir, "fit.json"))):
             if os.path.exists(run_dir):
                 raise SystemExit(f"{run_dir} exists; pass --reuse or remove it")
             wall[seed] = train(run_dir, seed, extra, args.timeout)
-        runs[seed] = check(run_dir, args.n_boot)
+        try:
+            runs[seed] = check(run_dir, args.n_boot)
+        except (ValueError, RuntimeError) as e:  # a curve fit_sigmoid refuses (flat, too few evals)
+            failed[seed] = str(e)
+            print(f"seed {seed}: no fit: {e}")
     for seed, r in runs.items():
         print(
             f"seed {seed}: R0 {r['R0']:.3f} final {r['final']:.3f} rise {r['rise']:+.3f} "
@@ -153,13 +157,14 @@ def main(argv=None) -> int:
             f"[{'ok' if r['ok']['half'] else 'MISS'}]"
             + (f" | wall {wall[seed]:.0f} s" if seed in wall else "")
         )
-    figure(runs, args.figure or os.path.join(args.runs_dir, "seeds.png"))
+    if runs:
+        figure(runs, args.figure or os.path.join(args.runs_dir, "seeds.png"))
     summary = {
         s: {k: v for k, v in r.items() if k not in ("curve", "half_fit")} for s, r in runs.items()
     }
     with open(os.path.join(args.runs_dir, "seeds.json"), "w") as f:
-        json.dump(dict(runs=summary, wall_s=wall, bars=BARS), f, indent=1)
-    return 0 if all(all(r["ok"].values()) for r in runs.values()) else 1
+        json.dump(dict(runs=summary, failed=failed, wall_s=wall, bars=BARS), f, indent=1)
+    return 0 if not failed and all(all(r["ok"].values()) for r in runs.values()) else 1
 
 
 if __name__ == "__main__":
