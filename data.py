@@ -87,8 +87,12 @@ class Prompt:
     gold: str  # normalised gold answer, the first argument of reward.math_reward
     prompt_ids: tuple[int, ...]
     thinking: bool  # the model writes <think>...</think> before its answer
-    task: str = "math"  # its curve: its kind, or in a mixture its source's name (load_prompts)
     kind: str = "math"  # its reward: "math" (gold: an answer) or "code" (gold: a tests document)
+    task: str = ""  # its curve: its kind (when empty), or in a mixture its source's name
+
+    def __post_init__(self):
+        if not self.task:
+            object.__setattr__(self, "task", self.kind)  # frozen: the one way to set a default
 
 
 # ---- arith -----------------------------------------------------------------------------------------------------
@@ -125,13 +129,8 @@ def arith_items(seed: int, pool: str = "rl", max_adds: int = ARITH_MAX_ADDS) -> 
         if n * add > 98:
             continue
         item = ArithItem(rng.randint(1, 99 - n * add), add, n)
-        if arith_pool(item) == pool:
+        if (zlib.crc32(item.question.encode()) & 1) == (pool == "rl"):
             yield item
-
-
-def arith_pool(item: ArithItem) -> str:
-    """ "rl" or "sft", by the CRC32 of the question: fixed per item, so the two never share one."""
-    return "rl" if zlib.crc32(item.question.encode()) & 1 else "sft"
 
 
 def arith_solution(item: ArithItem, *, slip: float = 0.0, rng: random.Random | None = None) -> str:
@@ -280,7 +279,7 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
             for add in range(2, 10)
             for start in range(1, 99 - n * add + 1)  # arith_items' ranges
         ]
-        items = [i for i in items if arith_pool(i) == "rl"]
+        items = [i for i in items if zlib.crc32(i.question.encode()) & 1]  # arith_items' RL pool
         random.Random(seed).shuffle(items)
         return [{"question": i.question, "answer": i.gold} for i in items[:size]]
     if source == "humaneval":
@@ -420,7 +419,7 @@ def build_prompts(
         if len(p) > max_prompt_len:
             skipped["prompt too long"] += 1
         else:
-            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking, task, task))
+            prompts.append(Prompt(len(prompts), q, gold, tuple(p), thinking, task))
     return prompts, skipped
 
 
