@@ -451,15 +451,19 @@ def load_prompts(
         names = [task_name(part) for part in source.split("+")]
         if len(set(names)) < len(names):
             raise ValueError(f"{source}: two sources give one task name ({', '.join(names)})")
-        prompts, seen, counts = [], set(), []
+        prompts, seen, counts, dropped = [], set(), [], 0
         for part, name in zip(source.split("+"), names, strict=True):
-            new = [p for p in load_prompts(part, tokenizer, **kw) if p.question not in seen]
+            loaded = load_prompts(part, tokenizer, **kw)
+            new = [p for p in loaded if p.question not in seen]
             if not new:
                 raise ValueError(f"{part}: every question is in an earlier source of {source}")
             seen.update(p.question for p in new)
             prompts += [replace(p, index=len(prompts) + i, task=name) for i, p in enumerate(new)]
             counts.append(f"{name} {len(new)}")
-        print(f"data: {source}: tasks {', '.join(counts)} (questions of an earlier source dropped)")
+            dropped += len(loaded) - len(new)
+        print(
+            f"data: {source}: tasks {', '.join(counts)} ({dropped} repeats of a question dropped)"
+        )
         return prompts
     if instruction is None:
         instruction = ARITH_INSTRUCTION if source in ("arith", "arith-hard") else INSTRUCTION

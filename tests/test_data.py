@@ -465,7 +465,10 @@ def test_mixture_tasks_are_sources_and_repeated_questions_dropped(tmp_path, tok,
         (4, "q4", "y", "math"),
         (5, "q5", "y", "math"),
     ]
-    assert f"data: {x}+{y}: tasks x 4, y 2" in capsys.readouterr().out
+    assert (
+        f"data: {x}+{y}: tasks x 4, y 2 (2 repeats of a question dropped)"
+        in capsys.readouterr().out
+    )
     single = data.load_prompts(x, tok, thinking=False, max_prompt_len=512)
     assert {p.task for p in single} == {"math"}  # one source: the task is the kind
     with pytest.raises(ValueError, match="two sources give one task name"):
