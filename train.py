@@ -921,8 +921,11 @@ def main(args: Args) -> None:
                 if warning := data.thinking_warning(records):
                     print(warning, flush=True)
                 first_eval = False
-            for r in records[: args.log_samples]:
-                samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
+            shown = collections.Counter()  # the first log_samples records of each task
+            for r in records:
+                shown[r["task"]] += 1
+                if shown[r["task"]] <= args.log_samples:
+                    samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
         return m
 
@@ -944,6 +947,11 @@ def main(args: Args) -> None:
         if args.wandb_project:
             wandb.log(line, step=step)
         ev = f" | eval {m['eval/pass_rate']:.3f}" if "eval/pass_rate" in m else ""
+        per_task = [
+            (t[1], v) for k, v in m.items() if (t := re.fullmatch(r"eval/(.+)/pass_rate", k))
+        ]
+        if per_task:  # a run of several tasks: each task's rate beside the overall one
+            ev += f" ({', '.join(f'{t} {v:.3f}' for t, v in per_task)})"
         fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
         reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"  # step 0: no batch yet
         print(
