@@ -199,8 +199,9 @@ class Args:
     """vLLM context: prompt + thinking + phrase + answer must fit"""
     # --- data
     data: str = "arith"
-    """dataset: preset (arith, arith-hard, gsm8k, polaris, math500; code: humaneval, deepcoder), a
-    mixture a+b of tasks a and b (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub id"""
+    """dataset: preset (arith, arith-hard, gsm8k, polaris, math500; code: humaneval, deepcoder),
+    a mixture a+b of tasks a and b (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub
+    id"""
     task_weights: list[str] | None = None
     """a mixture's sampling: TASK=WEIGHT for each task (e.g. polaris=1 deepcoder=1); a group's
     prompt is of task t with probability w_t / sum(w); default: each task's number of prompts"""

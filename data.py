@@ -248,8 +248,8 @@ def normalize_gold(answer: str) -> str:
 
 
 def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
-    """Raw rows of `source`: "arith", "arith-hard", a preset name, a local .jsonl/.json/.parquet file,
-    or a hub id.
+    """Raw rows of `source`: "arith", "arith-hard", a preset name, a local .jsonl/.json/.parquet
+    file, or a hub id.
 
     A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). JSON
     and JSONL are read as UTF-8 with or without a byte-order mark, their non-integer numbers as

@@ -15,10 +15,10 @@ Where this departs from the paper, and why:
 4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first after the
    resume, one whose group went stale (PipelineRL) is handed back (`release`) and served next. Long prompts are
    the ones in flight or late, so skipping them would bias training towards short ones.
-5. Several tasks (the paper's math+code runs, which do not say how they mix): each group's task is drawn by a
-   task weight, and each task keeps its own pool (`TaskPools`), so retirement and epochs are per task and a
-   task that is fully retired stops being drawn. A prompt handed back, or in flight at a checkpoint, is served
-   first the next time its task is drawn.
+5. Several tasks (the paper's math+code runs, which do not say how they mix): each group's task is
+   drawn by a task weight, and each task keeps its own pool (`TaskPools`), so retirement and epochs
+   are per task and a task that is fully retired stops being drawn. A prompt handed back, or in
+   flight at a checkpoint, is served first the next time its task is drawn.
 """
 
 import collections

@@ -184,12 +184,12 @@ class Pipeline:
     reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
     (floats, reasons), as `code_reward.code_rewards`; or a dict kind -> such a function, picked by
     each prompt's `kind` (data.Prompt.kind; default "math"). gen_timeout: seconds to sample and
-    score one group before the pipeline fails. version: trainer version of the start weights. weights_bytes: one weight
-    version's size on disk (parameters x the sampler dtype's bytes) and spill_dir: where versions go
-    when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's
-    thread; once it returns True, get_batch and evaluate raise Stopped and publish only deletes the
-    directory it is given. An owned engine also gets a watchdog (watchdog.py) that ends its
-    processes if this process is killed.
+    score one group before the pipeline fails. version: trainer version of the start weights.
+    weights_bytes: one weight version's size on disk (parameters x the sampler dtype's bytes) and
+    spill_dir: where versions go when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S)
+    by every wait of the trainer's thread; once it returns True, get_batch and evaluate raise
+    Stopped and publish only deletes the directory it is given. An owned engine also gets a watchdog
+    (watchdog.py) that ends its processes if this process is killed.
     Raises ValueError on bad settings, the sampler's start errors.
     """
 
