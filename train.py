@@ -37,12 +37,14 @@ if (
 ):  # flags first: --help and a bad flag answer in ~1 s, before torch and vLLM load
     ARGS = config.cli()
 
+import collections
 import dataclasses
 import datetime
 import functools
 import json
 import logging
 import math
+import re
 import shutil
 import signal
 import tempfile
@@ -501,12 +503,12 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
 
 
 def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
-    """The reward function of each task among `prompts`, for the pipeline: math-verify for math, the
-    problem's unit tests run in a bubblewrap sandbox for code. Raises BadInput (code 1) with
-    sandbox.check's one-line error when code is present and no sandbox can be made here; --unsafe-no-sandbox runs code
-    without one, with a warning at every start."""
+    """The reward function of each kind (data.Prompt.kind) among `prompts`, for the pipeline:
+    math-verify for math, the problem's unit tests run in a bubblewrap sandbox for code. Raises
+    BadInput (code 1) with sandbox.check's one-line error when code is present and no sandbox can
+    be made here; --unsafe-no-sandbox runs code without one, with a warning at every start."""
     fns = {"math": reward.math_rewards}
-    if any(p.task == "code" for p in prompts):
+    if any(p.kind == "code" for p in prompts):
         try:
             sandbox.check(sandboxed=not unsafe_no_sandbox)
         except RuntimeError as e:
@@ -540,22 +542,24 @@ def curve_fit(history: list[dict], steps: int) -> dict:
 
 def final_fit(run_dir: str, history: list[dict]) -> dict:
     """The paper's protocol (§5) on this run: fit on the first half of its compute, predict the second half (mean
-    absolute error on the held-out evals); plot it like Figure 1 (fit.png) and save the numbers (fit.json)."""
+    absolute error on the held-out evals); plot it like Figure 1 (fit.png) and save the numbers (fit.json).
+    A run of several tasks (history with eval/<task>/pass_rate) also gets one fit per task, under
+    "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those curves
+    instead of the overall one. A fit that fails holds its "error" and is not drawn."""
     C = np.array([h["gpu_hours"] for h in history[1:]])
-    R = np.array([h["eval/pass_rate"] for h in history[1:]])
-    R0, half = history[0]["eval/pass_rate"], C[-1] / 2 if len(C) else 0.0
-    out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
-    try:
-        import fit_cli  # the plot lives with fit.py's command line
+    half = C[-1] / 2 if len(C) else 0.0
+    tasks = [m[1] for k in history[0] if (m := re.fullmatch(r"eval/(.+)/pass_rate", k))]
+    curves = []  # (name, C, R, fit) for fit_cli.plot
 
-        f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
-        fit_cli.plot(
-            [(os.path.basename(run_dir), C, R, f)],
-            os.path.join(run_dir, "fit.png"),
-            xlabel="gpu_hours",
-            ylabel="eval/pass_rate",
-            fit_until=half,
-        )
+    def one(name: str, key: str) -> dict:
+        R = np.array([h[key] for h in history[1:]])
+        R0 = history[0][key]
+        out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
+        try:
+            f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
+        except (ValueError, RuntimeError) as e:
+            return {**out, "error": str(e)}
+        curves.append((name, C, R, f))
         out.update(
             A=f.A,
             A_interval=f.A_interval,
@@ -567,8 +571,18 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
             n_tail=n_tail,
             predicted_final=float(f.predict(C[-1:])[0]),
         )
-    except (ValueError, RuntimeError) as e:
-        out["error"] = str(e)
+        return out
+
+    out = one(os.path.basename(run_dir), "eval/pass_rate")
+    if tasks:
+        curves.clear()  # one curve per task on the plot
+        out["tasks"] = {t: one(t, f"eval/{t}/pass_rate") for t in tasks}
+    if curves:
+        import fit_cli  # the plot lives with fit.py's command line
+
+        ylabel = "eval/<task>/pass_rate" if tasks else "eval/pass_rate"
+        path = os.path.join(run_dir, "fit.png")
+        fit_cli.plot(curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_until=half)
     with open(os.path.join(run_dir, "fit.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
@@ -651,11 +665,17 @@ def load_inputs(args: Args, master: bool):
         raise BadInput(
             f"--data {msg if msg.startswith(args.data) else f'{args.data}: {msg}'}", 1
         ) from e
-    if args.eval_size >= len(prompts):
+    tasks = collections.Counter(p.task for p in prompts)
+    task, n = min(tasks.items(), key=lambda item: item[1])
+    if args.eval_size >= n:  # held out per task (data.split_heldout)
+        of = f"task {task} of --data {args.data}" if len(tasks) > 1 else f"--data {args.data}"
         raise BadInput(
-            f"--eval-size {args.eval_size}: must be less than the {len(prompts)} prompts of --data {args.data}",
-            1,
+            f"--eval-size {args.eval_size}: must be less than the {n} prompts of {of}", 1
         )
+    try:
+        filters.task_weights(list(tasks), config.parse_task_weights(args.task_weights))
+    except ValueError as e:
+        raise BadInput(f"--task-weights {' '.join(args.task_weights)}: {e}", 1) from e
     return path, tokenizer, prompts, thinking
 
 
@@ -756,8 +776,9 @@ def main(args: Args) -> None:
                 prompts, args.eval_size, seed=args.seed, run_dir=run_dir
             )
         dist.barrier()
-    pool = filters.PromptPool(
-        len(train_prompts),
+    pool = filters.prompt_pool(  # one PromptPool per task, tasks drawn by --task-weights
+        [p.task for p in train_prompts],
+        config.parse_task_weights(args.task_weights),
         threshold=args.npr_threshold,
         policy=args.prompt_sampling,
         seed=args.seed,
@@ -900,8 +921,11 @@ def main(args: Args) -> None:
                 if warning := data.thinking_warning(records):
                     print(warning, flush=True)
                 first_eval = False
-            for r in records[: args.log_samples]:
-                samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
+            shown = collections.Counter()  # the first log_samples records of each task
+            for r in records:
+                shown[r["task"]] += 1
+                if shown[r["task"]] <= args.log_samples:
+                    samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
         m["time/eval_s"] = time.perf_counter() - t0
         return m
 
@@ -923,6 +947,11 @@ def main(args: Args) -> None:
         if args.wandb_project:
             wandb.log(line, step=step)
         ev = f" | eval {m['eval/pass_rate']:.3f}" if "eval/pass_rate" in m else ""
+        per_task = [
+            (t[1], v) for k, v in m.items() if (t := re.fullmatch(r"eval/(.+)/pass_rate", k))
+        ]
+        if per_task:  # a run of several tasks: each task's rate beside the overall one
+            ev += f" ({', '.join(f'{t} {v:.3f}' for t, v in per_task)})"
         fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
         reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"  # step 0: no batch yet
         print(
@@ -949,8 +978,8 @@ def main(args: Args) -> None:
         if step == 0:  # R0: the pass rate before RL, the curve's anchor (PAPER.md 8.1)
             m = evaluate()
             # rank 0, unless a Ctrl-C abandoned it (then step 0 runs again on --resume)
-            if "eval/pass_rate" in m:
-                history.append({"step": 0, "gpu_hours": 0.0, "eval/pass_rate": m["eval/pass_rate"]})
+            if "eval/pass_rate" in m:  # with eval/<task>/pass_rate, each task's R0
+                history.append({"step": 0, "gpu_hours": 0.0, **m})
                 log(m)
         while step < args.steps:
             t0 = time.perf_counter()

@@ -276,11 +276,12 @@ def test_deepcoder_preset_and_math_code_mixture(monkeypatch, capsys):
     assert asked == [(dc, c, "train") for c in ("primeintellect", "taco", "lcbv5")]
     assert [p.task for p in prompts] == ["code", "code"]
     mixed = data.load_prompts("polaris+deepcoder", tok, thinking=False, max_prompt_len=4096)
-    assert [(p.index, p.task) for p in mixed] == [
-        (0, "math"),
-        (1, "math"),
-        (2, "code"),
-        (3, "code"),
+    # each source is a task (its curve); each row's kind picks its reward
+    assert [(p.index, p.task, p.kind) for p in mixed] == [
+        (0, "polaris", "math"),
+        (1, "polaris", "math"),
+        (2, "deepcoder", "code"),
+        (3, "deepcoder", "code"),
     ]
     assert mixed[0].gold == "4" and mixed[0].question == "What is 2 + 2?"
     assert mixed[2].gold == prompts[0].gold

@@ -4,11 +4,16 @@ the arith task (solutions graded right by reward.math_reward, wrong answers grad
 interruption budget, SFT and RL pools disjoint), the 100 real GSM8K questions with their golds; thinking decided from
 the chat template (Qwen3 hybrid, no think block, opened think block, DeepSeek-R1, a closed empty block, no template,
 a multi-token </think>) and the eval warning; number golds written exactly and bad answers (bool, NaN, inf, lists)
-counted in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row."""
+counted in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row. Multi-task (issue 16):
+a mixture's prompts named by source, questions of an earlier source dropped, its errors; the held-out split per
+task (eval_size of each, by the documented draws, restored on resume, the error naming the short task); and
+arith-hard: every RL-pool item with 7-9 additions, graded right by its gold."""
 
 import json
 import os
 import random
+import re
+from dataclasses import replace
 
 import pytest
 
@@ -441,3 +446,73 @@ def test_byte_order_mark_jsonl_and_json_load_every_row(tmp_path, tok, newline):
             ("Combien font 2 + 2 ?", "4"),
             ("√9 = ?", "3"),
         ]
+
+
+# ---- several tasks (issue 16) ----
+
+
+def test_mixture_tasks_are_sources_and_repeated_questions_dropped(tmp_path, tok, capsys):
+    rows = lambda qs: [{"question": q, "answer": "1"} for q in qs]
+    x = write(tmp_path / "x.jsonl", rows(["q0", "q1", "q2", "q3"]), "jsonl")
+    y = write(tmp_path / "y.json", rows(["q2", "q4", "q3", "q5"]), "json")
+    mixed = data.load_prompts(f"{x}+{y}", tok, thinking=False, max_prompt_len=512)
+    # q2 and q3 are x's: y keeps q4 and q5; indices run over the mixture
+    assert [(p.index, p.question, p.task, p.kind) for p in mixed] == [
+        (0, "q0", "x", "math"),
+        (1, "q1", "x", "math"),
+        (2, "q2", "x", "math"),
+        (3, "q3", "x", "math"),
+        (4, "q4", "y", "math"),
+        (5, "q5", "y", "math"),
+    ]
+    assert (
+        f"data: {x}+{y}: tasks x 4, y 2 (2 repeats of a question dropped)"
+        in capsys.readouterr().out
+    )
+    single = data.load_prompts(x, tok, thinking=False, max_prompt_len=512)
+    assert {p.task for p in single} == {"math"}  # one source: the task is the kind
+    with pytest.raises(ValueError, match="two sources give one task name"):
+        data.load_prompts(f"{x}+{tmp_path / 'sub'}/x.jsonl", tok, thinking=False, max_prompt_len=9)
+    z = write(tmp_path / "z.jsonl", rows(["q1", "q0"]), "jsonl")
+    with pytest.raises(ValueError, match=f"{z}: every question is in an earlier source"):
+        data.load_prompts(f"{x}+{z}", tok, thinking=False, max_prompt_len=512)
+    assert data.task_name("org/name") == "name" and data.task_name("~/d/x.parquet") == "x"
+
+
+def test_heldout_split_per_task_by_the_documented_draws_and_restored(tmp_path, tok):
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(30)]
+    prompts, _ = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
+    # tasks interleaved: a at positions 0, 3, 6, ... (10), b elsewhere (20)
+    prompts = [replace(p, task="a" if p.index % 3 == 0 else "b") for p in prompts]
+    train, held = data.split_heldout(prompts, 4, seed=2, run_dir=str(tmp_path))
+    rng = random.Random(2)  # the documented rule: one generator, each task's positions in turn
+    a, b = list(range(0, 30, 3)), [i for i in range(30) if i % 3]
+    expected = {a[j] for j in rng.sample(range(10), 4)} | {b[j] for j in rng.sample(range(20), 4)}
+    assert {p.index for p in held} == expected and len(train) == 22
+    assert sorted(p.task for p in held) == ["a"] * 4 + ["b"] * 4
+    assert data.split_heldout(prompts, 9, seed=0, run_dir=str(tmp_path))[1] == held  # restored
+    with pytest.raises(
+        ValueError, match=r"eval_size=10 must be in \[0, 10\) for 10 prompts of task a"
+    ):
+        data.split_heldout(prompts, 10, seed=2)
+
+
+def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):
+    hard = data.read_rows("arith-hard", seed=3)
+    # independently: the RL stream of arith_items, read until it has shown every such item
+    seen = {
+        i.question
+        for i, _ in zip(data.arith_items(0, "rl"), range(300_000), strict=False)
+        if i.times >= 7
+    }
+    assert sorted(r["question"] for r in hard) == sorted(seen) and len(hard) == 662
+    assert [r["question"] for r in hard] != [r["question"] for r in data.read_rows("arith-hard")]
+    prompts = data.load_prompts("arith-hard", tok, thinking=True, max_prompt_len=128, size=50)
+    assert len(prompts) == 50 and {p.task for p in prompts} == {"math"}
+    for p in prompts:  # gold = start + times * add, read back from the question
+        add, start, times = map(
+            int, re.fullmatch(r"Add (\d+) to (\d+), (\d+) times\.", p.question).groups()
+        )
+        assert times >= 7 and p.gold == str(start + times * add)
+        item = data.ArithItem(start, add, times)
+        assert reward.math_reward(data.arith_solution(item), p.gold, thinking=True) == 1.0

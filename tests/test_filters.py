@@ -3,7 +3,11 @@ penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer
 (9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires; 0/16 stays), epoch reshuffles that skip retired
 prompts, the error when all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
 prompts drawn but not recorded (in flight at a checkpoint, or released as stale) served again first, and thread
-safety of next()/record(). Expected values are worked out by hand in each test."""
+safety of next()/record(). TaskPools (issue 16): each task drawn by its weight from the documented seeded stream,
+prompts within a task in that task's own epoch order, the single-task path identical to a PromptPool, retirement
+per task (a retired task stops being drawn; the error when none is left), weights checked against the data,
+state round-trips through JSON that continue the task sequence and serve each task's unfinished prompts first,
+and concurrent draws equal to sequential ones. Expected values are worked out by hand or with numpy in each test."""
 
 import json
 import threading
@@ -13,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from filters import PromptPool, length_penalty, zero_variance_mask
+from filters import (
+    PromptPool,
+    TaskPools,
+    length_penalty,
+    prompt_pool,
+    task_weights,
+    zero_variance_mask,
+)
 
 
 # ---------------------------------------------------------------- zero_variance_mask
@@ -293,3 +304,134 @@ def test_concurrent_next_and_record():
     assert errors == []
     assert Counter(drawn) == {i: 100 for i in range(100)}
     assert pool.state_dict()["total"] == [200] * 100 and pool.state_dict()["correct"] == [100] * 100
+
+
+# ---------------------------------------------------------------- TaskPools (issue 16)
+TASKS = ["a", "b", "a", "a", "b", "a", "c", "a", "b", "a"]  # a: 0 2 3 5 7 9, b: 1 4 8, c: 6
+
+
+def expected_draws(tasks, weights, seed, n):
+    """The documented rule, written out with numpy: draw k's task is the first whose cumulative
+    weight exceeds u_k * total (u_k the k-th double of default_rng(seed)), and within a task the
+    prompts come in epochs of default_rng([seed, epoch]).permutation of its own positions."""
+    names = list(dict.fromkeys(tasks))
+    members = {t: [i for i, x in enumerate(tasks) if x == t] for t in names}
+    orders = {t: [] for t in names}
+    out, u = [], np.random.default_rng(seed).random(n)
+    for k in range(n):
+        cum = np.cumsum([weights[t] for t in names])
+        t = names[int(np.argmax(cum > u[k] * cum[-1]))]
+        if not orders[t]:
+            epoch = sum(x == t for x in [tasks[i] for i in out]) // len(members[t])
+            perm = np.random.default_rng([seed, epoch]).permutation(len(members[t]))
+            orders[t] = [members[t][j] for j in perm]
+        out.append(orders[t].pop(0))
+    return out
+
+
+def test_task_pools_draw_each_task_by_weight_and_its_prompts_in_epochs():
+    weights = {"a": 3.0, "b": 1.0, "c": 0.5}
+    pools = TaskPools(TASKS, weights, seed=7)
+    got = draw(pools, 60)
+    assert got == expected_draws(TASKS, weights, 7, 60)
+    shares = Counter(TASKS[i] for i in draw(TaskPools(TASKS, weights, policy="uniform"), 9000))
+    for t, w in weights.items():  # w / 4.5 of 9,000 draws, within 4 binomial standard deviations
+        p = w / 4.5
+        assert abs(shares[t] - 9000 * p) < 4 * (9000 * p * (1 - p)) ** 0.5
+    # default weights: each task's number of prompts (as if the sources were concatenated)
+    assert task_weights(TASKS) == {"a": 6.0, "b": 3.0, "c": 1.0}
+
+
+def test_one_task_is_a_plain_prompt_pool_with_the_same_draws():
+    one = prompt_pool(["math"] * 9, None, threshold=0.5, seed=4)
+    assert type(one) is PromptPool and draw(one, 30) == draw(PromptPool(9, seed=4), 30)
+    assert type(prompt_pool(["math"] * 9, {"math": 2.0})) is PromptPool
+    assert type(prompt_pool(TASKS, None)) is TaskPools
+
+
+def test_retired_task_stops_being_drawn_and_none_left_raises():
+    pools = TaskPools(TASKS, {"a": 1, "b": 1, "c": 1}, seed=0)
+    for i in (1, 4, 8):  # every b prompt solved: 4 of 4 >= 0.9
+        pools.record(i, 4, 4)
+    assert pools.num_active == 7
+    assert {TASKS[i] for i in draw(pools, 50)} == {"a", "c"}
+    for i in (0, 2, 3, 5, 7, 9, 6):
+        pools.record(i, 4, 4)
+    with pytest.raises(RuntimeError, match=r"every prompt of every task \(a, b, c\)"):
+        pools.next()
+    # a task of weight 0 is never drawn, and does not keep the pools alive
+    zero = TaskPools(TASKS, {"a": 1, "b": 0, "c": 0}, seed=0)
+    assert {TASKS[i] for i in draw(zero, 30)} == {"a"}
+    for i in (0, 2, 3, 5, 7, 9):
+        zero.record(i, 1, 1)
+    with pytest.raises(RuntimeError, match="retired"):
+        zero.next()
+
+
+def test_task_weights_checked_against_the_data():
+    for weights, match in [
+        ({"a": 1, "b": 1}, "no weight for task c"),
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, "no task d in the data"),
+        ({"a": 1, "b": -1, "c": 1}, ">= 0"),
+        ({"a": 1, "b": float("inf"), "c": 1}, "finite"),
+        ({"a": 0, "b": 0, "c": 0}, "> 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            TaskPools(TASKS, weights)
+    pools = TaskPools(TASKS)
+    with pytest.raises(ValueError, match="bad record"):
+        pools.record(10, 1, 2)
+    with pytest.raises(ValueError, match="bad record"):
+        pools.record(3, 3, 2)  # PromptPool's check, in a's pool
+
+
+def test_task_pools_state_round_trip_continues_and_serves_unfinished_first():
+    weights = {"a": 2, "b": 1, "c": 1}
+    a = TaskPools(TASKS, weights, seed=3)
+    drawn = draw(a, 13)
+    a.record(drawn[0], 1, 4)
+    a.release(drawn[1])  # stale: served again first when its task is drawn
+    a.record(drawn[2], 4, 4)  # retired
+    state = json.loads(json.dumps(a.state_dict()))
+    b = TaskPools(TASKS, weights, seed=3)
+    b.load_state_dict(state)
+    assert b.num_active == a.num_active == 9
+    got = draw(b, 40)
+    # the task sequence continues: the same stream of u as the original's next 40 draws
+    assert [TASKS[i] for i in got] == [TASKS[i] for i in draw(a, 40)]
+    # each task's unfinished prompts (released first, then drawn and not recorded, each record or
+    # release finishing one draw; the retired one skipped) are that task's first draws after it
+    left = list(drawn)
+    for i in drawn[:3]:
+        if i in left:
+            left.remove(i)
+    for t in "abc":
+        mine = [i for i in [drawn[1], *left] if TASKS[i] == t and i != drawn[2]]
+        assert [i for i in got if TASKS[i] == t][: len(mine)] == mine
+    with pytest.raises(ValueError, match="seed"):
+        TaskPools(TASKS, weights, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="tasks"):
+        TaskPools(TASKS[:-1] + ["d"], None, seed=3).load_state_dict(state)
+
+
+def test_task_pools_concurrent_draws_equal_sequential_ones():
+    tasks = ["x"] * 60 + ["y"] * 40
+    pools = TaskPools(tasks, {"x": 1, "y": 1}, policy="uniform", seed=5)
+    drawn, lock = [], threading.Lock()
+
+    def producer():
+        local = [pools.next() for _ in range(1000)]
+        with lock:
+            drawn.extend(local)
+
+    threads = [threading.Thread(target=producer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(4000):
+        pools.record(i % 100, 1, 2)
+    for t in threads:
+        t.join()
+    # each draw is atomic (task, then prompt), so 4,000 concurrent draws are the first 4,000 in order
+    assert Counter(drawn) == Counter(draw(TaskPools(tasks, {"x": 1, "y": 1}, seed=5), 4000))
+    totals = [sum(s["total"]) for s in pools.state_dict()["tasks"].values()]
+    assert totals == [60 * 40 * 2, 40 * 40 * 2]  # every record counted in its task's pool

@@ -8,9 +8,10 @@ from the trainer's current version, versions never decrease inside a completion,
 delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
 the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
 and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
-runs on the newest published weights; each prompt is scored by its task's reward function, reasons
-reach the batch metrics as per-task fractions and the eval records, and a task without a reward
-function fails; (4) failures: a reward function raising on the 3rd group
+runs on the newest published weights; each prompt is scored by its kind's reward function, reasons
+reach the batch metrics as per-task fractions and the eval records, and a kind without a reward
+function fails; eval_metrics gives the overall metrics and, with several tasks, each task's, from
+hand-made records; (4) failures: a reward function raising on the 3rd group
 reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
 caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
 and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and
@@ -51,6 +52,7 @@ class Prompt:  # data.Prompt's fields
     prompt_ids: list[int]
     gold: str
     thinking: bool = True
+    kind: str = "math"
     task: str = "math"
 
 
@@ -169,6 +171,49 @@ def test_accept_table(version, min_version, k, ok):
 )
 def test_may_start_table(t_next, outstanding, P_, v, k, ok):
     assert pipeline.may_start(t_next, outstanding, P_, v, k) is ok
+
+
+def test_eval_metrics_overall_and_per_task_from_records():
+    rec = lambda task, reward, tokens, truncated=False: dict(
+        task=task,
+        reward=reward,
+        tokens=tokens,
+        truncated=truncated,
+        interrupted=tokens > 9,
+        version=3,
+    )
+    records = [rec("a", 1.0, 4), rec("a", 0.0, 10, True), rec("b", 1.0, 6), rec("b", 1.0, 12)]
+    records += [rec("b", 0.0, 8)]
+    greedy = [dict(task="a", reward=1.0), dict(task="b", reward=0.0)]
+    assert pipeline.eval_metrics(records, greedy) == pytest.approx(
+        {
+            "eval/pass_rate": 3 / 5,
+            "eval/mean_len": 40 / 5,
+            "eval/version": 3,
+            "eval/truncation_rate": 1 / 5,
+            "eval/interrupt_rate": 2 / 5,
+            "eval/greedy_pass_rate": 1 / 2,
+            "eval/a/pass_rate": 1 / 2,
+            "eval/a/mean_len": 7,
+            "eval/a/greedy_pass_rate": 1,
+            "eval/b/pass_rate": 2 / 3,
+            "eval/b/mean_len": 26 / 3,
+            "eval/b/greedy_pass_rate": 0,
+        }
+    )
+    # one task: the overall metrics only (a single-task run logs what it always did); no greedy
+    one = pipeline.eval_metrics(records[:2])
+    assert one == pytest.approx(
+        {
+            "eval/pass_rate": 0.5,
+            "eval/mean_len": 7,
+            "eval/version": 3,
+            "eval/truncation_rate": 0.5,
+            "eval/interrupt_rate": 0.5,
+        }
+    )
+    with pytest.raises(ValueError, match="no records"):
+        pipeline.eval_metrics([])
 
 
 def test_bad_settings_raise():
@@ -325,7 +370,7 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
 @pytest.mark.slow
 def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
     prompts = [
-        Prompt(p.index, p.prompt_ids, p.gold, True, "math" if p.index % 2 else "code")
+        Prompt(p.index, p.prompt_ids, p.gold, True, *["math" if p.index % 2 else "code"] * 2)
         for p in make_prompts()
     ]
     parity = lambda r: len(r) % 2
@@ -351,10 +396,10 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
         **kw,
     ) as pipe:
         batch = pipe.get_batch(0, timeout=120)
-        code = [g for g in batch.groups if g.prompt.task == "code"]
+        code = [g for g in batch.groups if g.prompt.kind == "code"]
         for g in batch.groups:
             texts = [c.text for c in g.completions]
-            if g.prompt.task == "code":
+            if g.prompt.kind == "code":
                 assert g.rewards == [float(parity(t)) for t in texts]
                 assert g.reasons == ["passed" if parity(t) else "wrong_answer" for t in texts]
             else:
@@ -374,7 +419,7 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
     with pipeline.Pipeline(
         vllm_engine.sampler, prompts, CountingPool(8), reward_fn={"math": math_fn}, **kw
     ) as pipe:
-        with pytest.raises(ValueError, match="no reward function for task 'code'"):
+        with pytest.raises(ValueError, match="no reward function for kind 'code'"):
             pipe.get_batch(0, timeout=120)
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -167,6 +168,10 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         ),
         (["--async-mode", "ppo", "--max-lag", "0"], 1, "--max-lag 0: must be >= 1 with"),
         (["--npr-threshold", "1.5"], 1, r"--npr-threshold 1.5: must be in \(0, 1\]"),
+        (["--task-weights", "a"], 1, "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
+        (["--task-weights", "a=-1"], 1, "--task-weights a=-1: must be TASK=WEIGHT"),
+        (["--task-weights", "a=1", "a=2"], 1, "--task-weights a=2: task a given twice"),
+        (["--task-weights", "a=0", "b=0"], 1, "--task-weights a=0 b=0: needs a weight > 0"),
     ],
 )
 def test_bad_input_fails_before_any_work(argv, world, match):
@@ -229,7 +234,9 @@ def write_jsonl(path, rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no such file", "no answer column", "eval size", "hub model"])
+@pytest.mark.parametrize(
+    "case", ["no such file", "no answer column", "eval size", "task weights", "hub model"]
+)
 def test_bad_input_found_loading_one_line_exit_1_no_run_dir(tmp_path, case):
     """Exit code 1, one line naming the flag and the value, no run directory; before vLLM loads. A hub id
     that is neither cached nor reachable fails at once (transformers alone retried for ~60 s here)."""
@@ -247,6 +254,10 @@ def test_bad_input_found_loading_one_line_exit_1_no_run_dir(tmp_path, case):
         "eval size": (
             ["--eval-size", "5000"],
             "--eval-size 5000: must be less than the 2000 prompts of --data arith",
+        ),
+        "task weights": (  # one source: its task is its kind
+            ["--task-weights", "polaris=1"],
+            "--task-weights polaris=1: no weight for task math (its tasks: math)",
         ),
         "hub model": (["--model", "nosuchorg/nosuchmodel"], "--model nosuchorg/nosuchmodel: "),
     }[case]
@@ -532,6 +543,41 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     )  # the gradients compared are not ~0
 
 
+def test_final_fit_fits_each_task_and_the_whole(tmp_path):
+    # two tasks on known curves (Eq. 1 written out here), the overall the mean of the two
+    eq1 = lambda C, A, B, C_mid, R0: R0 + (A - R0) / (1 + (C_mid / C) ** B)
+    truth = {"a": (0.8, 1.5, 2.0, 0.2), "b": (0.5, 1.0, 5.0, 0.1)}
+    history = [{"step": 0, "gpu_hours": 0.0, "eval/a/pass_rate": 0.2, "eval/b/pass_rate": 0.1}]
+    history[0]["eval/pass_rate"] = 0.15
+    for step, C in enumerate(np.geomspace(0.2, 60, 14), 1):
+        h = {
+            "step": step,
+            "gpu_hours": C,
+            **{f"eval/{t}/pass_rate": eq1(C, *p) for t, p in truth.items()},
+        }
+        h["eval/pass_rate"] = (h["eval/a/pass_rate"] + h["eval/b/pass_rate"]) / 2
+        history.append(h)
+    out = train.final_fit(str(tmp_path), history)
+    with open(tmp_path / "fit.json") as f:
+        assert json.load(f) == json.loads(json.dumps(out))
+    assert set(out["tasks"]) == {"a", "b"} and out["fit_until"] == pytest.approx(30)
+    for t, (A, B, C_mid, R0) in truth.items():
+        fit = out["tasks"][t]
+        assert (fit["R0"], fit["final_pass_rate"]) == (R0, history[-1][f"eval/{t}/pass_rate"])
+        assert (fit["A"], fit["B"], fit["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
+        assert fit["converged"] and fit["tail_mae"] < 1e-5 and fit["n_tail"] == 2
+    assert out["R0"] == 0.15 and "A" in out  # the overall curve, fitted as before
+    assert os.path.getsize(tmp_path / "fit.png") > 0
+    # a task whose curve cannot be fitted keeps its error; the others are still fitted
+    for h in history[1:]:
+        h["eval/b/pass_rate"] = 0.3
+    out = train.final_fit(str(tmp_path), history)
+    assert "R is flat" in out["tasks"]["b"]["error"] and "A" in out["tasks"]["a"]
+    # one task: fit.json as before, no "tasks"
+    single = [{k: v for k, v in h.items() if "/a/" not in k and "/b/" not in k} for h in history]
+    assert "tasks" not in train.final_fit(str(tmp_path), single)
+
+
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=4)
     batch = fixed_batch(model_dir)
@@ -687,6 +733,39 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
     assert any(
         not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters(), strict=True)
     )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_task_run_logs_each_tasks_eval_and_a_fit_per_task(tiny_model, tmp_path):
+    # issue 16: two arith bands as stand-ins for math and code; structure, not learning
+    run_dir = str(tmp_path / "mix")
+    argv = ["--data", "arith-hard+arith", "--task-weights", "arith-hard=1", "arith=3"]
+    out = run_train([*argv, "--steps", "2", "--run-dir", run_dir, *SMALL])
+    assert "arith-hard+arith: 2099 train, 16 held-out prompts" in out.stdout  # 8 per task
+    evals = [m for m in metrics(run_dir) if "eval/pass_rate" in m]
+    assert [m["step"] for m in evals] == [0, 2]
+    for m in evals:  # 8 prompts x 2 samples per task: the overall rate is the mean of the two
+        hard, easy = m["eval/arith-hard/pass_rate"], m["eval/arith/pass_rate"]
+        assert m["eval/pass_rate"] == pytest.approx((hard + easy) / 2)
+        assert "eval/arith/greedy_pass_rate" in m and "eval/arith-hard/mean_len" in m
+    with open(os.path.join(run_dir, "heldout.json")) as f:
+        held = json.load(f)["heldout"]
+    assert sum(i < 662 for i in held) == sum(i >= 662 for i in held) == 8  # arith-hard's 662 first
+    with open(os.path.join(run_dir, "state.json")) as f:
+        pool = json.load(f)["pool"]
+    assert list(pool["tasks"]) == ["arith-hard", "arith"] and pool["draws"] >= 2 * 4
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        tasks = {r["task"] for r in map(json.loads, f) if r["split"] == "eval"}
+    assert tasks == {"arith-hard", "arith"}  # the first --log-samples records of each task
+    assert re.search(r"eval \d\.\d{3} \(arith-hard \d\.\d{3}, arith \d\.\d{3}\)", out.stdout)
+    with open(os.path.join(run_dir, "fit.json")) as f:
+        fits = json.load(f)["tasks"]
+    assert list(fits) == ["arith-hard", "arith"]
+    for t, fit in fits.items():  # one eval past step 0: each task's fit says why it has no curve
+        assert fit["R0"] == evals[0][f"eval/{t}/pass_rate"]
+        assert fit["final_pass_rate"] == evals[-1][f"eval/{t}/pass_rate"]
+        assert "need at least 4" in fit["error"]
 
 
 @pytest.mark.slow
