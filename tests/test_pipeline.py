@@ -7,17 +7,24 @@ step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token
 from the trainer's current version, versions never decrease inside a completion, no group is lost or
 delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
 the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
-and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
-runs on the newest published weights; each prompt is scored by its task's reward function, reasons
-reach the batch metrics as per-task fractions and the eval records, and a task without a reward
-function fails; (4) failures: a reward function raising on the 3rd group
-reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
-caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and
-evaluate within a poll (0.5 s) and a stopping pipeline publishes nothing; weights_root deletes the
-weight directories of dead runs only, weights_parent falls back from a small /dev/shm; (5)
+and their prompts handed back to the pool, superseded weight directories deleted; each prompt is
+scored by its task's reward function, reasons reach the batch metrics as per-task fractions and the
+eval records, and a task without a reward function fails; (4) failures: a reward function raising
+on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging
+sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the producer
+is doing, and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch
+and wait_evals within a poll (0.5 s) and a stopping pipeline publishes nothing; weights_root deletes
+the weight directories of dead runs only, weights_parent falls back from a small /dev/shm; (5)
 PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt during generation
-closes an engine-owning pipeline within 30 s leaving no child process or thread.
+closes an engine-owning pipeline and its eval engine (every thread at nice 19, its workers' bound to
+one CPU) within 30 s leaving no child process or thread; (6) the NCCL path's publish keeps the
+version bookkeeping; (7) evaluation (issue 10): with fixed-throughput first-come-first-served fake
+engines, an eval of 10 batches' tokens runs while the trainer takes >= 5 steps, and comes back
+tagged with the version it measured, loaded from its snapshot (the shared-engine design fails this
+test: its tokens mix versions); evals beyond max_evals_pending are refused, results come back in
+order with their tags, a failing eval or an eval engine that cannot start fails the pipeline's next
+wait; a real eval on the session engine samples only from the snapshot's weights and its metrics
+are the records' means (eval_metrics by hand too); group_timeout scales with the budgets.
 """
 
 import asyncio
@@ -562,7 +569,26 @@ def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
             shutil.rmtree(d, ignore_errors=True)
 
 
-# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline on Ctrl-C ----
+# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline (and its eval engine) on Ctrl-C ----
+
+
+def check_eval_of_version_1(pipe):
+    """test_ppo_k_...: the eval of version 1 came back; the eval engine's every thread at the lowest
+    CPU priority, the training engine's at this process's; VLLM_CPU_OMP_THREADS_BIND reached the
+    eval engine's workers: every thread of theirs runs on the last CPU only (their /proc environ is
+    overwritten by setproctitle, so it is checked by its effect)."""
+    assert pipe.wait_evals(0, timeout=300)
+    (result,) = pipe.eval_results()
+    assert result.version == 1 and [r["index"] for r in result.records] == [0, 0, 1, 1]
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for sampler, nice in ((pipe.eval_sampler, 19), (pipe.sampler, mine)):
+        procs = [psutil.Process(p.pid) for p in sampler._procs] + sampler._workers
+        tids = [t.id for p in procs for t in p.threads()]
+        assert tids and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {nice}
+    last = {max(os.sched_getaffinity(0))}
+    assert generate.cpu_bind(1) == str(max(last))
+    tids = [t.id for w in pipe.eval_sampler._workers for t in w.threads()]
+    assert tids and all(os.sched_getaffinity(t) == last for t in tids)
 
 
 @pytest.mark.vllm
@@ -582,6 +608,15 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
 
     prompts = [Prompt(p.index, p.prompt_ids, "1") for p in make_prompts()]
     k, closed_in = 2, None
+    engine = dict(
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_gib=0.25,
+        max_num_seqs=64,
+        think_budget=(16, 32),
+        answer_budget=16,
+    )
+    low = dict(nice=19, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
     with pytest.raises(KeyboardInterrupt):
         with pipeline.Pipeline(
             model_dir,
@@ -592,14 +627,9 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
             max_lag=k,
             mode="ppo",
             reward_fn=boxed_parity,
-            sampler_kwargs=dict(
-                dtype="float32",
-                max_model_len=1024,
-                kv_cache_gib=0.25,
-                max_num_seqs=64,
-                think_budget=(16, 32),
-                answer_budget=16,
-            ),
+            sampler_kwargs=engine,
+            evaluator=model_dir,  # an eval engine of its own, as train.py runs it on CPU
+            eval_sampler_kwargs={**engine, **low},
         ) as pipe:
             for v in range(3 * k):
                 batch = pipe.get_batch(v, timeout=120)
@@ -613,17 +643,24 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
                     g.rewards == [float(len(c.text) % 2 == 1) for c in g.completions]
                     for g in batch.groups
                 )
-                pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
+                path = perturbed(pipe, sd, v + 1)
+                if v == 0:  # the eval of version 1, while training goes on
+                    pipe.submit_eval(prompts[:2], 2, version=1, weights=path, greedy=True)
+                pipe.publish(path, v + 1)
+                if v == 3 * k - 2:  # before the last publish, whose round is checked below
+                    check_eval_of_version_1(pipe)
+            # an eval running too when Ctrl-C comes: close() aborts it
+            pipe.submit_eval(prompts, 4, version=3 * k, weights=model_dir)
             deadline = time.monotonic() + 60
             while (
                 not pipe._inflight and time.monotonic() < deadline
             ):  # the next round is being generated
                 time.sleep(0.05)
-            assert pipe._inflight
+            assert pipe._inflight and pipe.evals_pending() == [3 * k]
             t = time.monotonic()
             raise KeyboardInterrupt
     closed_in = time.monotonic() - t
-    assert closed_in < 30
+    assert closed_in < 30  # both engines, shut down side by side
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
     assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]

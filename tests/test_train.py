@@ -687,6 +687,41 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
+def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
+    """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while
+    the other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in
+    one plain collective instead, the other rank fails after the timeout (the control: the timeout
+    does bite); rank 0's work raising reaches rank 0 as that exception and both ranks exit."""
+    timeout_s, busy = 10, 25
+    runs = {
+        mode: subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+            + [os.path.join(ROOT, "tests", "dist_rank0_call.py"), mode, str(timeout_s)]
+            + [str(1 if mode == "error" else busy), str(tmp_path / mode)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for mode in ("rank0_call", "plain", "error")
+    }  # side by side: the ranks mostly sleep
+    codes = {mode: proc.wait(180) for mode, proc in runs.items()}
+    got = {
+        (mode, rank): json.loads((tmp_path / f"{mode}.{rank}").read_text())
+        for mode in runs
+        for rank in (0, 1)
+        if (tmp_path / f"{mode}.{rank}").exists()
+    }
+    assert codes["rank0_call"] == 0
+    for rank in (0, 1):
+        assert got["rank0_call", rank]["value"] == "done"
+        assert busy <= got["rank0_call", rank]["seconds"] < busy + timeout_s
+    assert codes["plain"] != 0
+    assert "Timed out" in got["plain", 1]["error"]
+    assert timeout_s <= got["plain", 1]["seconds"] < busy  # ended by the timeout
+    assert codes["error"] != 0
+    assert got["error", 0]["error"] == "ValueError: rank 0's work failed"
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_two_rank_torchrun_run(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run2")
