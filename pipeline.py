@@ -230,7 +230,8 @@ class Pipeline:
     reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
     (floats, reasons), as `code_reward.code_rewards`; or a dict task -> such a function, picked by
     each prompt's `task` (default "math"). gen_timeout: seconds to sample and score one group before
-    the pipeline fails. version: trainer version of the start weights. weights_bytes: one weight
+    the pipeline fails; an eval fails after so long without one of its requests finishing, or a
+    load of its weights. version: trainer version of the start weights. weights_bytes: one weight
     version's size on disk (parameters x the sampler dtype's bytes) and spill_dir: where versions go
     when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's
     thread; once it returns True, get_batch and wait_evals raise Stopped and publish only deletes the
@@ -824,7 +825,14 @@ class Pipeline:
         sampler = self.eval_sampler
         try:
             if self._eval_loaded != (job.weights, sampler.version):
-                await sampler.update_weights(job.weights)
+                try:
+                    async with asyncio.timeout(self.gen_timeout):
+                        await sampler.update_weights(job.weights)
+                except TimeoutError as exc:
+                    raise TimeoutError(
+                        f"the eval engine did not load the weights of version {job.version} "
+                        f"within gen_timeout={self.gen_timeout} s"
+                    ) from exc
                 self._eval_loaded = (job.weights, sampler.version)
         finally:
             if job.owned:  # read to the end (or failed): the snapshot goes
@@ -833,11 +841,12 @@ class Pipeline:
         prompts = job.prompts
         jobs = [(p, job.n, job.temperature) for p in prompts]
         jobs += [(p, 1, 0.0) for p in prompts if job.greedy]
-        groups = await asyncio.gather(
-            *[
+        groups = await self._progressing(
+            [
                 sampler.generate(p.prompt_ids, n=k, thinking=p.thinking, temperature=t)
                 for p, k, t in jobs
-            ]
+            ],
+            f"the eval of version {job.version}",
         )
         seen = {int(v) for g in groups for c in g for v in c.versions[c.mask].unique().tolist()}
         if seen - {loaded}:
@@ -873,6 +882,33 @@ class Pipeline:
         return EvalResult(
             job.version, job.tag, metrics, records, queued_s, time.perf_counter() - t0
         )
+
+    async def _progressing(self, coros: list, what: str) -> list:
+        """asyncio.gather(*coros) for an eval's requests, which queue in the eval engine behind
+        each other (so no one request has a deadline): TimeoutError, the requests cancelled
+        (vLLM aborts them), once none has finished for gen_timeout s, the horizon on which a
+        training group calls the engine hung."""
+        last = time.perf_counter()
+
+        async def tick(coro):
+            nonlocal last
+            out = await coro
+            last = time.perf_counter()
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*map(tick, coros)))
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=min(self.gen_timeout, 5.0))
+                if not task.done() and time.perf_counter() - last > self.gen_timeout:
+                    raise TimeoutError(
+                        f"{what}: no request finished for gen_timeout={self.gen_timeout} s "
+                        "(the eval engine hangs?)"
+                    )
+            return task.result()
+        finally:
+            task.cancel()  # a no-op once done
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _score(
         self, prompt, texts: list[str], executor=None

@@ -934,6 +934,38 @@ def test_eval_engine_that_cannot_start_fails_the_next_wait(loop, tmp_path):
     assert not [t for t in threading.enumerate() if t.name == "pipeline-eval"]
 
 
+def test_a_hung_eval_engine_fails_the_next_wait_a_slow_one_does_not(loop, tmp_path):
+    """An eval's requests queue behind each other, so it is bounded by progress: it fails once no
+    request has finished for gen_timeout (1 s here). A fixed-throughput engine finishing one request
+    of 2 x TOKENS tokens every 0.4 s completes an eval of 8 of them (3.2 s, 3x gen_timeout); a hung
+    one fails the trainer's next wait within gen_timeout + its 1 s check, naming the version."""
+    (tmp_path / "v.txt").write_text("1")
+    for evaluator in (FCFSSampler(rate=2 * TOKENS / 0.4), HangingSampler()):
+        with pipeline.Pipeline(
+            VersionedSampler(),
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_batch=P,
+            reward_fn=ParityReward(),
+            gen_timeout=1.0,
+            evaluator=evaluator,
+            eval_loop=loop,
+        ) as pipe:
+            t = time.monotonic()
+            pipe.submit_eval(make_prompts(8), 2, version=1, weights=str(tmp_path))
+            if isinstance(evaluator, FCFSSampler):
+                assert pipe.wait_evals(0, timeout=30) and time.monotonic() - t > 3.0
+                (result,) = pipe.eval_results()
+                assert len(result.records) == 16 and evaluator.loaded == [1]
+            else:
+                with pytest.raises(TimeoutError, match="the eval of version 1: no request finish"):
+                    pipe.wait_evals(0, timeout=30)
+                assert time.monotonic() - t < 1.0 + 1.0 + 1.0  # + one poll and slack
+                assert evaluator.cancelled == 8  # every request aborted
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_real_eval_of_a_snapshot_on_the_session_engine(vllm_engine, loop):
