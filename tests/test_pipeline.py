@@ -23,8 +23,10 @@ engines, an eval of 10 batches' tokens runs while the trainer takes >= 5 steps, 
 tagged with the version it measured, loaded from its snapshot (the shared-engine design fails this
 test: its tokens mix versions); evals beyond max_evals_pending are refused, results come back in
 order with their tags, a failing eval or an eval engine that cannot start fails the pipeline's next
-wait; a real eval on the session engine samples only from the snapshot's weights and its metrics
-are the records' means (eval_metrics by hand too); group_timeout scales with the budgets.
+wait, so does a hung one after gen_timeout without progress (a slow one finishes); a real eval on
+the session engine samples only from the snapshot's weights and its metrics are the records' means
+(eval_metrics by hand too); group_timeout scales with the budgets. In (5) a running eval is aborted
+by close() too.
 """
 
 import asyncio
