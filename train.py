@@ -112,8 +112,9 @@ def rank0_call(fn, share: bool = False):
     until it returns: rank 0's long waits (vLLM starting, a batch of rollouts, evals still running)
     never hold another rank in one collective for longer, so --dist-timeout need not cover them
     (issue 10: a 2 h timeout used to cover rank 0's eval). Returns fn's result on rank 0 (on every
-    rank with `share`, broadcast: keep it small), None elsewhere; fn's exception is raised on rank 0
-    (torchrun then stops the others)."""
+    rank with `share`, broadcast: keep it small), None elsewhere. fn's exception is raised on rank 0
+    (the original, with its traceback) and, as RuntimeError naming it, on the other ranks, which
+    therefore stop at once instead of waiting in their next collective."""
     out, thread = {}, None
     if dist.get_rank() == 0:
 
@@ -131,13 +132,15 @@ def rank0_call(fn, share: bool = False):
         done = torch.tensor([float(thread is not None and not thread.is_alive())])
         if all_reduce(done, dist.ReduceOp.MAX).item() > 0:
             break
-    if "error" in out:
-        raise out["error"]
-    if not share:
-        return out.get("value")
-    box = [out.get("value")]
-    dist.broadcast_object_list(box)
-    return box[0]
+    error = out.get("error")
+    box = [(error and f"{type(error).__name__}: {error}", out.get("value") if share else None)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box)
+    if error is not None:
+        raise error
+    if box[0][0] is not None:
+        raise RuntimeError(f"rank 0 failed: {box[0][0]}")
+    return box[0][1] if share else out.get("value")
 
 
 def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> placement.Plan:

@@ -6,7 +6,8 @@
 MODE "rank0_call": rank 0's work (a sleep of BUSY_S) runs through train.rank0_call, whose result
 every rank gets; "plain": rank 0 sleeps, then joins a barrier the others wait in (what train.py did
 before: the other ranks' wait is one collective, which the TIMEOUT_S process-group timeout ends);
-"error": rank 0's work raises ValueError after BUSY_S. Each rank writes what it got or raised, and
+"error": rank 0's work raises ValueError after BUSY_S (rank 0 gets it, the others a RuntimeError
+naming it). Each rank writes what it got or raised, and
 the seconds it took, to OUT.<rank> as JSON.
 """
 

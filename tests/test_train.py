@@ -75,6 +75,13 @@ def metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
+def split_lines(run_dir):
+    """metrics.jsonl as (the steps' lines, the evals' lines): an eval's line is written when it
+    finishes, with the step it measured (issue 10)."""
+    lines = metrics(run_dir)
+    return [m for m in lines if "eval/version" not in m], [m for m in lines if "eval/version" in m]
+
+
 # ---- flags, recipes, bad input (no engine) ----
 
 
@@ -632,21 +639,19 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
 def test_smoke_run_writes_everything(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run")
     out = run_train(["--steps", "3", "--run-dir", run_dir, *SMALL])
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert [m["step"] for m in lines if "eval/pass_rate" in m] == [
-        0,
-        2,
-        3,
-    ]  # R0, every 2 steps, the last step
-    assert all(
-        0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
-        for m in lines
-        if "eval/pass_rate" in m
-    )
-    hours = [m["gpu_hours"] for m in lines]
-    assert hours[0] == 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
-    for m in lines[1:]:
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # R0, every 2 steps, the last step; each eval once, tagged with the version it measured and
+    # carrying the compute clock of that version (0 for R0), logged at or after its step
+    assert sorted(m["step"] for m in evals) == [0, 2, 3]
+    clock_at = {0: 0.0, **{m["step"]: m["gpu_hours"] for m in steps}}
+    for m in evals:
+        assert m["eval/version"] == m["step"] and m["gpu_hours"] == clock_at[m["step"]]
+        assert m["eval/logged_at_step"] >= m["step"] and m["time/eval_s"] > 0
+        assert 0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
+    hours = [m["gpu_hours"] for m in steps]
+    assert hours[0] > 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
+    for m in steps:
         assert (
             m["gen/tokens"] > 0 and 0 <= m["filter/zero_var_frac"] <= 1 and m["train/lag_max"] <= 8
         )
@@ -657,7 +662,7 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
         "thinking on (--thinking auto: from the chat template)" in out.stdout
     )  # tiny's Qwen3 template
     assert "warning: thinking is on" not in out.stdout  # the tiny model closes its thinking itself
-    assert all(m["gen/nonfinite_logp"] == 0 for m in lines[1:])
+    assert all(m["gen/nonfinite_logp"] == 0 for m in steps)
     for name in (
         "args.json",
         "meta.json",
@@ -689,9 +694,10 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
     """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while
-    the other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in
-    one plain collective instead, the other rank fails after the timeout (the control: the timeout
-    does bite); rank 0's work raising reaches rank 0 as that exception and both ranks exit."""
+        the other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in
+        one plain collective instead, the other rank fails after the timeout (the control: the timeout
+        does bite); rank 0's work raising reaches rank 0 as that exception, the other rank as a
+    RuntimeError naming it, at once."""
     timeout_s, busy = 10, 25
     runs = {
         mode: subprocess.Popen(
@@ -719,15 +725,21 @@ def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
     assert timeout_s <= got["plain", 1]["seconds"] < busy  # ended by the timeout
     assert codes["error"] != 0
     assert got["error", 0]["error"] == "ValueError: rank 0's work failed"
+    assert (
+        got["error", 1]["error"] == "RuntimeError: rank 0 failed: ValueError: rank 0's work failed"
+    )
+    assert got["error", 1]["seconds"] < timeout_s  # told, not left waiting in a collective
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_two_rank_torchrun_run(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run2")
-    run_train(["--steps", "2", "--run-dir", run_dir, *SMALL], nproc=2)
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == [0, 1, 2] and "eval/pass_rate" in lines[-1]
+    # rank 0 starts vLLM (two engines) and waits for evals for longer than 15 s while rank 1 polls
+    # (rank0_call): a collective timeout of 15 s does not end the run (issue 10)
+    run_train(["--steps", "2", "--run-dir", run_dir, "--dist-timeout", "15", *SMALL], nproc=2)
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == [1, 2] and sorted(m["step"] for m in evals) == [0, 2]
     with open(os.path.join(run_dir, "meta.json")) as f:
         assert json.load(f)["world_size"] == 2
 
@@ -816,7 +828,9 @@ def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_pa
     assert gone_within(procs, 10) == []
     assert f"{run_dir} holds no checkpoint yet" in out.read_text()
     saved = json.loads((run_dir / "state.json").read_text())["step"]
-    assert 1 <= saved < 6 and [m["step"] for m in metrics(run_dir)] == list(range(saved + 1))
+    steps, evals = split_lines(run_dir)
+    assert 1 <= saved < 6 and [m["step"] for m in steps] == list(range(1, saved + 1))
+    assert all(m["step"] in (0, 3) and m["step"] <= saved for m in evals)  # the finished ones
     assert f"stopped at step {saved}; resume with --resume {run_dir}" in out.read_text()
     # --resume continues at the checkpoint; two Ctrl-C quit at once
     proc, out, err = start_train(["--resume", str(run_dir)], tmp_path, "second")
@@ -888,9 +902,13 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     out = run_train(["--resume", run_dir])
     # every step loads new weights into vLLM, with neither loading bars nor "Failed to load weights" warnings
     assert "Failed to load weights" not in out.stderr and "Loading safetensors" not in out.stderr
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == list(range(7))  # continuous: nothing lost, nothing twice
-    hours = [m["gpu_hours"] for m in lines]
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == list(
+        range(1, 7)
+    )  # continuous: nothing lost, nothing twice
+    # every eval once: one logged after the checkpoint was dropped and ran again from it
+    assert sorted(m["step"] for m in evals) == [0, 2, 4, 6]
+    hours = [m["gpu_hours"] for m in steps]
     assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     with open(state_path) as f:
         final = json.load(f)
