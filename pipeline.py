@@ -571,6 +571,22 @@ class Pipeline:
             self._evals.append(job)
         self._poke(self._eval_wake, self.eval_loop)
 
+    def wait_eval_engine(self, timeout: float | None = None) -> bool:
+        """Wait until the eval engine has started (the constructor starts an owned one in the
+        background); True then (at once for a borrowed one or none), False after `timeout` s.
+        train.py waits before its first step, so that a Ctrl-C never meets vLLM's processes while
+        they start (their imports would print tracebacks). Waits in POLL_S slices. Raises the
+        engine's start error, Stopped once stop() is True, RuntimeError once closed."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self._eval_ready.wait(POLL_S):
+            with self._cv:
+                self._check()
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+        with self._cv:
+            self._check()  # a failed start sets the event too
+        return True
+
     def evals_pending(self) -> list[int]:
         """The versions of the evals submitted and not finished (running first, then waiting)."""
         with self._cv:

@@ -913,9 +913,10 @@ def main(args: Args) -> None:
         gen_timeout = args.gen_timeout or pipeline.group_timeout(
             args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
         )
+
     # vLLM's start, on rank 0, while the other ranks poll (rank0_call)
-    pipe = rank0_call(
-        lambda: pipeline.Pipeline(
+    def start_pipeline():  # and its eval engine, before the first step: no Ctrl-C meets it starting
+        pipe = pipeline.Pipeline(
             start_dir or path,
             train_prompts,
             pool,
@@ -934,7 +935,14 @@ def main(args: Args) -> None:
             evaluator=start_dir or path,
             eval_sampler_kwargs=eval_engine,
         )
-    )
+        try:
+            pipe.wait_eval_engine()
+        except BaseException:
+            pipe.close()
+            raise
+        return pipe
+
+    pipe = rank0_call(start_pipeline)
     if master:
         # vLLM's handler, set up as the engine started: after a Ctrl-C, the engine's death is no news
         for handler in logging.getLogger("vllm").handlers:

@@ -930,6 +930,8 @@ def test_eval_engine_that_cannot_start_fails_the_next_wait(loop, tmp_path):
         prompts_per_batch=P,
         evaluator=str(tmp_path / "no-such-model"),
     ) as pipe:
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            pipe.wait_eval_engine(timeout=30)
         with pytest.raises(FileNotFoundError, match="does not exist") as info:
             pipe.get_batch(0, timeout=30)
         assert any("starting the eval engine" in note for note in info.value.__notes__)
