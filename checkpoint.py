@@ -121,19 +121,25 @@ def load_checkpoint(run_dir: str, policy, optimizer) -> dict:
     return state
 
 
-def _step_of(line: str) -> float:
+def _keep(line: str, step: int, evals: set[int] | None) -> bool:
     try:
-        return json.loads(line).get("step", math.inf)
+        rec = json.loads(line)
     except ValueError:  # the half-written last line of a killed run
-        return math.inf
+        return False
+    eval_line = "eval/version" in rec or rec.get("split") == "eval"
+    return rec.get("step", math.inf) <= step and (
+        evals is None or not eval_line or rec["step"] in evals
+    )
 
 
-def truncate_log(path: str, step: int) -> None:
+def truncate_log(path: str, step: int, evals: set[int] | None = None) -> None:
     """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint, and drops a line
-    cut off by a kill)."""
+    cut off by a kill). evals: the steps whose evals the checkpoint's history holds; an eval's lines (metrics.jsonl
+    lines with eval/version, samples.jsonl records of split "eval") of any other step go too: evals finish after
+    the step they measured, so one logged after the checkpoint can carry a step <= `step` (it runs again)."""
     if os.path.exists(path):
         with open(path) as f:
-            keep = [line for line in f if _step_of(line) <= step]
+            keep = [line for line in f if _keep(line, step, evals)]
         with open(path, "w") as f:
             f.writelines(keep)
 

@@ -180,6 +180,9 @@ class Args:
     """completions per step written to samples.jsonl"""
     wandb_project: str | None = None
     """also log to Weights & Biases (needs `pip install wandb`)"""
+    dist_timeout: float = 1800.0
+    """seconds a rank may wait in one collective before torch.distributed calls it hung; rank 0's
+    long waits (vLLM starting, rollouts, evals) keep the other ranks polling every second"""
     # --- model and devices
     model: str = "tiny"
     """preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), Hugging Face id or local dir"""
@@ -188,6 +191,10 @@ class Args:
     generator_gpus: list[int] | None = None
     """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES
     order); default: every visible GPU of rank 0's node that no trainer rank uses"""
+    eval_gpus: int | None = None
+    """generator GPUs (the last ones) for the eval engine, which evaluates while training goes on;
+    0: it shares the generator's GPU(s); default: tensor_parallel_size GPUs when the generator has
+    at least twice that, else 0"""
     share_gpu: bool = False
     """let vLLM share trainer GPUs (default: rank 0's), small models only; weights go via disk"""
     tensor_parallel_size: int = 1
@@ -237,6 +244,9 @@ class Args:
     """forced interruptions (§2); off: one phase of think_budget[1] + answer_budget tokens (loo-lp)"""
     phrase: str = PHRASE
     """appended when the thinking budget runs out (paper §4)"""
+    gen_timeout: float | None = None
+    """seconds a group may take to be sampled and scored before the run stops as hung (default:
+    scaled from the budgets and the sequences in flight, pipeline.group_timeout)"""
     async_mode: Literal["pipeline", "ppo"] = "pipeline"
     """PipelineRL-k with in-flight updates (§3.1) or PPO-off-policy-k (k batches per weight version)"""
     max_lag: int = 8
@@ -413,6 +423,19 @@ def validate(args: Args, world: int) -> None:
         ("--eval-every", args.eval_every, args.eval_every >= 1, "must be >= 1"),
         ("--eval-size", args.eval_size, args.eval_size >= 1, "must be >= 1"),
         ("--eval-n", args.eval_n, args.eval_n >= 1, "must be >= 1"),
+        (
+            "--eval-gpus",
+            args.eval_gpus,
+            args.eval_gpus is None or args.eval_gpus >= 0,
+            "must be >= 0",
+        ),
+        ("--dist-timeout", args.dist_timeout, args.dist_timeout > 0, "must be > 0 (seconds)"),
+        (
+            "--gen-timeout",
+            args.gen_timeout,
+            args.gen_timeout is None or args.gen_timeout > 0,
+            "must be > 0 (seconds)",
+        ),
         (
             "--save-every",
             args.save_every,

@@ -28,6 +28,7 @@ Where it departs from the paper, and why:
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -55,6 +56,8 @@ from placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is gi
 THINK_END = "</think>"
 SHUTDOWN_TIMEOUT = 20.0  # seconds shutdown() waits in all for the engine's processes before killing
 NCCL_CHECKED_ON = "0.32"  # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
+# os.environ is the process's: engines started from two threads at once must not mix their variables
+_SPAWN_LOCK = threading.Lock()
 
 
 @dataclass
@@ -134,6 +137,31 @@ def versions_from_spans(spans, n: int) -> list[int]:
     if len(out) != n:
         raise RuntimeError(f"weight-version spans {spans} do not cover the {n} generated tokens")
     return out
+
+
+def cpu_bind(n: int, allowed: set[int] | None = None) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for an engine on the CPU that should use `n` threads: the
+    last n CPUs this process may run on (`allowed`, default os.sched_getaffinity), comma-separated.
+    vLLM's own "auto" binds the first engine to the others (it reserves the last CPU for the
+    scheduler), so an eval engine bound here leaves the training engine's threads alone."""
+    cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    return ",".join(map(str, cpus[-max(1, n) :]))
+
+
+def renice(pids, nice: int) -> int:
+    """Set the nice value of every thread of the processes `pids` to `nice` (only ever lowering
+    their priority: no privilege needed for our own children). Linux keeps a nice value per thread,
+    and a thread inherits its starter's, so threads started later follow. Returns the threads
+    changed; processes or threads gone meanwhile are skipped."""
+    changed = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for t in psutil.Process(pid).threads():
+                with contextlib.suppress(OSError):  # the thread ended
+                    if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
+                        os.setpriority(os.PRIO_PROCESS, t.id, nice)
+                    changed += 1
+    return changed
 
 
 def engine_args(
@@ -278,6 +306,10 @@ class Sampler:
         with `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no trainer uses.
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1] + answer_budget
         tokens (the paper's `loo-lp` ablation, which relies on a length penalty instead).
+      nice: CPU priority of the engine's processes, every thread (`renice`; 19 = the lowest), for an
+        engine that shares the CPU with the trainer (the eval engine on CPU).
+      env: environment variables for the engine's processes (set while they start), e.g.
+        VLLM_CPU_OMP_THREADS_BIND (`cpu_bind`) for an engine with fewer threads.
       **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
         data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
     Raises FileNotFoundError for a missing local model, ValueError for bad settings, vLLM's errors at engine start.
@@ -297,6 +329,8 @@ class Sampler:
         gpus: list[int | str] | None = None,
         weight_transfer: str = "disk",
         interruptions: bool = True,
+        nice: int = 0,
+        env: dict[str, str] | None = None,
         **engine,
     ):
         check_sampling(temperature, top_p, top_k)
@@ -322,22 +356,32 @@ class Sampler:
             weight_transfer=self.weight_transfer,
             **engine,
         )
-        self._procs, self._workers, before = [], [], multiprocessing.active_children()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env = dict(env or {})
         if gpus is not None:  # inherited by the engine processes spawned below
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        try:
-            self.engine: AsyncLLM | None = AsyncLLM.from_engine_args(args)
-        finally:
-            if gpus is not None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES")
-                os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
-            self._procs = [
-                p for p in multiprocessing.active_children() if p not in before
-            ]  # shutdown() ends them
-            self._workers = [
-                c for p in self._procs if p.is_alive() for c in psutil.Process(p.pid).children(True)
-            ]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        self._procs, self._workers = [], []
+        with _SPAWN_LOCK:
+            before, saved = multiprocessing.active_children(), {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                self.engine: AsyncLLM | None = AsyncLLM.from_engine_args(args)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k)
+                    else:
+                        os.environ[k] = v
+                self._procs = [
+                    p for p in multiprocessing.active_children() if p not in before
+                ]  # shutdown() ends them
+                self._workers = [
+                    c
+                    for p in self._procs
+                    if p.is_alive()
+                    for c in psutil.Process(p.pid).children(True)
+                ]
+        if nice:
+            renice([p.pid for p in self._procs] + [w.pid for w in self._workers], nice)
         try:
             self.tokenizer = self.engine.get_tokenizer()
             self.max_model_len = self.engine.model_config.max_model_len

@@ -3,11 +3,16 @@
 PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A producer thread runs an
 asyncio loop with the `generate.Sampler`: it draws prompts from the `filters.PromptPool`, samples groups of G, scores
 them in a thread with their kind's reward (`reward.math_rewards`, `code_reward.code_rewards`) and
-queues them; the trainer takes batches of P groups, publishes weights (loaded in flight) and
-evaluates. Run by `pytest tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
+queues them; the trainer takes batches of P groups and publishes weights (loaded in flight). Held-out
+evaluation runs on an engine of its own, in a thread of its own: an eval is a snapshot of one weight
+version, and the training engine's weights change under its requests. Run by `pytest
+tests/test_pipeline.py`, `python bench/pipeline.py`, `train.py`:
 
-    with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8) as pipe:
+    with Pipeline(model_dir, prompts, pool, group_size=16, prompts_per_batch=48, max_lag=8,
+                  evaluator=model_dir) as pipe:
         batch = pipe.get_batch(v)  # ...train...; then save to pipe.weights_dir(v + 1) and pipe.publish(that_dir, v + 1)
+        pipe.submit_eval(heldout, 16, version=v + 1, weights=that_dir)  # before publish; returns at once
+        for result in pipe.eval_results(): ...  # the evals done since the last call, in order
 
 A group consumed at trainer version t has lag t - min_version, the oldest policy version of any of its sampled tokens
 (queue time counts); it is accepted iff lag <= k. Where this departs from the paper, and why:
@@ -19,8 +24,12 @@ A group consumed at trainer version t has lag t - min_version, the oldest policy
 3. Publishes coalesce: if several arrive while one loads, only the newest loads (weights are whole snapshots).
 4. PPO-off-policy-k: k·P groups per frozen weight version, k batches per version (lags 0..k-1); a batch may be
    consumed before the round's other groups finish (same data); weights published mid-round wait for the round's
-   end, so `evaluate` then sees the round's weights (it reports `eval/version`).
+   end. An eval measures the version it is given (`submit_eval`), whatever the training engine holds.
 5. Producer idle time is time with no group in flight: the sampler's idle time, which PipelineRL reduces.
+6. Evaluation is asynchronous (the paper's evals block nothing either, but it does not say how): the eval engine
+   loads a snapshot of the version (hard links to the published files: no copy), samples and scores it while
+   training goes on, and the result comes back tagged with that version; at most `max_evals_pending` evals wait or
+   run at once (each holds a snapshot), one at a time on the engine, first in first out.
 """
 
 import asyncio
@@ -37,11 +46,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
-from tqdm import tqdm
 
 import generate
 import reward
@@ -53,12 +61,18 @@ CLOSE_TIMEOUT = (
     30.0  # seconds close() takes at most in all (groups cancelled, engine stopped, thread joined)
 )
 POLL_S = 0.5  # the trainer thread's waits check for a stop request and a dead engine this often
+# evals waiting or running at once: one sampling on the eval engine, one snapshot waiting for it
+EVALS_PENDING = 2
+GEN_S_PER_TOKEN = (
+    0.1  # group_timeout's decode step: ~3x a loaded vLLM GPU engine's, slower than CPU's
+)
+GEN_TIMEOUT_MIN_S = 600.0
 
 
 class Stopped(Exception):
-    """Raised by get_batch and evaluate once the pipeline's `stop` callable returns True (the trainer was asked to
-    stop: Ctrl-C): they stop waiting for the engine, whose processes a terminal's Ctrl-C stops too. An error the
-    engine raised meanwhile is its __cause__."""
+    """Raised by get_batch, wait_evals and submit_eval once the pipeline's `stop` callable returns
+    True (the trainer was asked to stop: Ctrl-C): they stop waiting for the engines, whose processes
+    a terminal's Ctrl-C stops too. An error an engine raised meanwhile is its __cause__."""
 
 
 def weights_root(parent: str | None = None) -> str:
@@ -97,15 +111,20 @@ def may_start(t_next: int, outstanding: int, P: int, v: int, max_lag: int) -> bo
 
 
 def weights_parent(
-    weights_bytes: int, fallback: str | None, shm: str = "/dev/shm", free_bytes=None
+    weights_bytes: int,
+    fallback: str | None,
+    shm: str = "/dev/shm",
+    free_bytes=None,
+    versions: int = VERSIONS_ALIVE,
 ) -> str | None:
     """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and
-    has room for VERSIONS_ALIVE versions of `weights_bytes` each (parameters x the sampler dtype's
-    bytes), else `fallback` (the run directory; None: the system temp dir, weights_root's
-    default). Containers often give /dev/shm 64 MB, an 8B model needs 49 GB. free_bytes(path) ->
-    bytes free there (default: shutil.disk_usage), injectable for tests."""
+    has room for `versions` versions of `weights_bytes` each (parameters x the sampler dtype's
+    bytes; the Pipeline counts VERSIONS_ALIVE + its eval snapshots), else `fallback` (the run
+    directory; None: the system temp dir, weights_root's default). Containers often give /dev/shm
+    64 MB, an 8B model needs 49 GB. free_bytes(path) -> bytes free there (default:
+    shutil.disk_usage), injectable for tests."""
     free_bytes = free_bytes or (lambda path: shutil.disk_usage(path).free)
-    if os.path.isdir(shm) and free_bytes(shm) >= VERSIONS_ALIVE * weights_bytes:
+    if os.path.isdir(shm) and free_bytes(shm) >= versions * weights_bytes:
         return shm
     return fallback
 
@@ -151,6 +170,19 @@ def eval_metrics(records: list[dict], greedy: list[dict] = ()) -> dict[str, floa
     return out
 
 
+def group_timeout(
+    rollout_tokens: int, rollouts_in_flight: int, seqs_at_once: int, s_per_token=GEN_S_PER_TOKEN
+) -> float:
+    """Seconds a group may take to be sampled and scored before the pipeline calls the engine hung
+    (the Pipeline's gen_timeout; train.py's default): a group may wait behind ceil(rollouts in
+    flight / sequences the engines decode at once) rounds of full-length rollouts (rollout_tokens:
+    thinking budget + phrase + answer budget), each decoded at s_per_token; at least
+    GEN_TIMEOUT_MIN_S. Qwen3-8B preset on 3 engines of 22 sequences: 1,536 rollouts in flight, 24
+    rounds of 14,400 tokens, 9.6 h (the fixed 1 h before issue 10 would have failed it)."""
+    rounds = -(-rollouts_in_flight // max(seqs_at_once, 1))
+    return max(GEN_TIMEOUT_MIN_S, rounds * rollout_tokens * s_per_token)
+
+
 @dataclass
 class Group:
     """G rollouts of one prompt with their rewards; versions are trainer versions (`completion.versions` too)."""
@@ -173,6 +205,31 @@ class Batch:
     metrics: dict[str, float]  # see Pipeline.get_batch
 
 
+@dataclass
+class EvalResult:
+    """A finished eval (Pipeline.submit_eval): what it measured and the caller's tag, returned as is."""
+
+    version: int  # the trainer version evaluated: every sampled token came from its weights
+    tag: dict  # the caller's (train.py: the step and compute clock of that version)
+    metrics: dict[str, float]  # eval_metrics + eval/version
+    records: list[dict]  # one per sampled completion: index, sample, text, gold, reward, ...
+    queued_s: float  # seconds from submit_eval until its snapshot was loaded
+    eval_s: float  # seconds from then until scored
+
+
+@dataclass
+class _EvalJob:
+    prompts: list
+    n: int
+    temperature: float | None
+    greedy: bool
+    version: int
+    weights: str  # directory to load; a snapshot in the pipeline's root when `owned`
+    owned: bool  # a snapshot: deleted once loaded
+    tag: dict
+    submitted: float = field(default_factory=time.perf_counter)
+
+
 class Pipeline:
     """Producer thread + sampler + queue for the trainer's main thread (§3.1); use it as a context manager.
 
@@ -183,14 +240,20 @@ class Pipeline:
     version. max_inflight: groups generated at once (default 2P).
     reward_fn(responses, golds, thinking, timeout) -> a list of floats, as `reward.math_rewards`, or
     (floats, reasons), as `code_reward.code_rewards`; or a dict kind -> such a function, picked by
-    each prompt's `kind` (data.Prompt.kind; default "math"). gen_timeout: seconds to sample and
-    score one group before the pipeline fails. version: trainer version of the start weights.
-    weights_bytes: one weight version's size on disk (parameters x the sampler dtype's bytes) and
-    spill_dir: where versions go when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S)
-    by every wait of the trainer's thread; once it returns True, get_batch and evaluate raise
-    Stopped and publish only deletes the directory it is given. An owned engine also gets a watchdog
-    (watchdog.py) that ends its processes if this process is killed.
-    Raises ValueError on bad settings, the sampler's start errors.
+    each prompt's `kind` (data.Prompt.kind; default "math"). gen_timeout: seconds to sample and score one group before
+    the pipeline fails; an eval fails after so long without one of its requests finishing, or a
+    load of its weights. version: trainer version of the start weights. weights_bytes: one weight
+    version's size on disk (parameters x the sampler dtype's bytes) and spill_dir: where versions go
+    when /dev/shm lacks room (`weights_parent`). stop: polled (POLL_S) by every wait of the trainer's
+    thread; once it returns True, get_batch and wait_evals raise Stopped and publish only deletes the
+    directory it is given. An owned engine also gets a watchdog (watchdog.py) that ends its
+    processes (the eval engine's too) if this process is killed.
+    evaluator: the eval engine, a model directory (started in a thread and event loop of its own,
+    `generate.Sampler.create(evaluator, **eval_sampler_kwargs)`, in the background: the constructor
+    does not wait for it; it is shut down on close) or a running Sampler with `eval_loop` (borrowed),
+    or None (no evals). max_evals_pending: evals waiting or running at once (`submit_eval`).
+    Raises ValueError on bad settings, the sampler's start errors; the eval engine's start errors
+    reach the next wait of the trainer's thread.
     """
 
     def __init__(
@@ -213,6 +276,10 @@ class Pipeline:
         weights_bytes: int = 0,
         spill_dir: str | None = None,
         stop: Callable[[], bool] | None = None,
+        evaluator=None,
+        eval_sampler_kwargs: dict | None = None,
+        eval_loop: asyncio.AbstractEventLoop | None = None,
+        max_evals_pending: int = EVALS_PENDING,
     ):
         if (
             mode not in ("pipeline", "ppo")
@@ -229,6 +296,13 @@ class Pipeline:
             raise ValueError(
                 "need as many prompts as the pool's n_prompts, and a model directory or a running "
                 "Sampler together with its event loop"
+            )
+        if max_evals_pending < 1 or (
+            evaluator is not None and isinstance(evaluator, str) == (eval_loop is not None)
+        ):
+            raise ValueError(
+                "need max_evals_pending >= 1, and as evaluator a model directory or a running "
+                "Sampler together with its eval_loop"
             )
         self.G, self.P, self.k, self.mode, self.gen_timeout = (
             group_size,
@@ -258,9 +332,12 @@ class Pipeline:
         self._outstanding = self._started = self._round_started = self._round_consumed = (
             self.dropped
         ) = 0
-        self._evaluating = (
-            0  # evaluations running: no new group starts meanwhile, so the engine serves them first
-        )
+        self.max_evals_pending = max_evals_pending
+        self._evals: collections.deque[_EvalJob] = collections.deque()  # waiting or running
+        self._evals_done: collections.deque[EvalResult] = collections.deque()
+        self._eval_ready = threading.Event()  # set once the eval engine started (or failed to)
+        self._eval_thread = self._eval_worker = self.eval_sampler = self._eval_loaded = None
+        self._eval_wake = asyncio.Event()  # bound to the eval loop at first wait
         self._inflight: dict[int, float] = {}  # seq -> start time
         self._idle_s, self._idle_since = 0.0, time.perf_counter()
         self._wake, self._publish_event = (
@@ -268,14 +345,18 @@ class Pipeline:
             asyncio.Event(),
         )  # bound to the loop at first wait
         self._stop_requested = stop or (lambda: False)
-        self._root = weights_root(weights_parent(weights_bytes, spill_dir))
+        versions = VERSIONS_ALIVE + (max_evals_pending if evaluator is not None else 0)
+        self._root = weights_root(weights_parent(weights_bytes, spill_dir, versions=versions))
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="pipeline-reward")
+        # eval grading apart: an eval's thousands of completions never hold up a training group's
+        self._eval_executor = ThreadPoolExecutor(2, thread_name_prefix="pipeline-eval-reward")
         self._thread = self._task = self._producer = self._loading = self.sampler = None
         self._watchdog = None
         atexit.register(self.close)
         try:
-            if isinstance(model, str):
+            if isinstance(model, str) or isinstance(evaluator, str):
                 self._watchdog = watchdog.start([self._root])  # before the engine's processes exist
+            if isinstance(model, str):
                 self.loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
                     target=self.loop.run_forever, name="pipeline-producer", daemon=True
@@ -287,6 +368,19 @@ class Pipeline:
                 self.loop, self.sampler = loop, model
             self._vmap = {self.sampler.version: version}  # sampler version -> trainer version
             self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
+            if isinstance(evaluator, str):  # after the training engine: environments never mix
+                self.eval_loop = asyncio.new_event_loop()
+                self._eval_thread = threading.Thread(
+                    target=self.eval_loop.run_forever, name="pipeline-eval", daemon=True
+                )
+                self._eval_thread.start()
+                start = self._eval_engine(evaluator, eval_sampler_kwargs or {})
+            elif evaluator is not None:
+                self.eval_loop, self.eval_sampler = eval_loop, evaluator
+                self._eval_ready.set()
+                start = self._eval_engine(None, {})
+            if evaluator is not None:
+                self._eval_worker = asyncio.run_coroutine_threadsafe(start, self.eval_loop)
         except BaseException:
             self.close()
             raise
@@ -443,53 +537,102 @@ class Pipeline:
         self._poke(self._wake)
         return True
 
-    def evaluate(
+    def submit_eval(
         self,
         prompts,
         n: int,
+        *,
+        version: int,
+        weights: str,
         temperature: float | None = None,
-        timeout: float | None = None,
         greedy: bool = False,
-        progress: bool = False,
-    ):
-        """n samples of each prompt on the newest released weights (once loaded), scored -> (metrics, records).
-        metrics: eval_metrics' (eval/pass_rate, ..., and per task when the prompts hold several).
-        records: one dict per sample for samples.jsonl (index, task, sample, text, gold, reward,
-        reason, tokens, interrupted, truncated, version). temperature 0 is greedy; greedy=True adds
-        one greedy sample per prompt, reported as eval/greedy_pass_rate (not in records, not in
-        eval/pass_rate). No new training group starts
-        while the eval samples (groups in flight finish), so the engine serves the eval rather than groups that could
-        go stale meanwhile. progress: a tqdm bar of sampled prompts on stderr. Waits in POLL_S slices. Raises the
-        sampler's or reward's errors (or the producer's, or RuntimeError if the engine died), Stopped once stop()
-        is True, TimeoutError after `timeout` s."""
-        future = asyncio.run_coroutine_threadsafe(
-            self._evaluate(prompts, n, temperature, greedy, progress), self.loop
-        )
-        t0 = time.perf_counter()
-        try:
-            while True:
-                with self._cv:
-                    self._check()
-                left = None if timeout is None else t0 + timeout - time.perf_counter()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"evaluation not done within {timeout} s")
+        tag: dict | None = None,
+    ) -> None:
+        """Queue an eval of trainer version `version` and return at once: n samples of each prompt
+        (temperature: the eval engine's default; 0 is greedy) on the weights in `weights`, scored;
+        greedy=True adds one greedy sample per prompt (eval/greedy_pass_rate, never in records). A
+        directory in the pipeline's root (`weights_dir`) is snapshotted first (hard links, no copy),
+        so call this before `publish` hands it to the training engine, which deletes it once loaded;
+        any other directory (the start model) is read in place and left alone. The eval runs on the
+        eval engine once the evals before it are done; its EvalResult comes back from
+        `eval_results` with `tag`, the same object (the caller may fill it in meanwhile). Raises
+        RuntimeError when there is no evaluator or `max_evals_pending` evals are pending already
+        (`wait_evals(max_evals_pending - 1)` first), Stopped once stop() is True, the pipeline's
+        error if it failed; OSError if `weights` cannot be read."""
+        with self._cv:
+            self._check()
+            if self._eval_worker is None:
+                raise RuntimeError("this pipeline has no evaluator")
+            if len(self._evals) >= self.max_evals_pending:
+                raise RuntimeError(
+                    f"{len(self._evals)} evals pending already (max_evals_pending); wait_evals first"
+                )
+        owned = os.path.dirname(os.path.abspath(weights)) == self._root
+        if owned:  # the training engine may delete `weights` once loaded: the eval keeps its own
+            snapshot = tempfile.mkdtemp(prefix=f"eval_v{version}_", dir=self._root)
+            for name in os.listdir(weights):
+                src, dst = os.path.join(weights, name), os.path.join(snapshot, name)
                 try:
-                    return future.result(POLL_S if left is None else min(POLL_S, left))
-                except TimeoutError:
-                    if future.done():  # the evaluation's own TimeoutError
-                        raise
-        except BaseException as exc:
-            future.cancel()
-            if self._stop_requested() and not isinstance(exc, Stopped):
-                raise Stopped("stop requested during the evaluation") from exc
-            raise
+                    os.link(src, dst)
+                except OSError:  # a filesystem without hard links
+                    shutil.copy2(src, dst)
+            weights = snapshot
+        job = _EvalJob(prompts, n, temperature, greedy, version, weights, owned, tag or {})
+        with self._cv:
+            self._evals.append(job)
+        self._poke(self._eval_wake, self.eval_loop)
+
+    def wait_eval_engine(self, timeout: float | None = None) -> bool:
+        """Wait until the eval engine has started (the constructor starts an owned one in the
+        background); True then (at once for a borrowed one or none), False after `timeout` s.
+        train.py waits before its first step, so that a Ctrl-C never meets vLLM's processes while
+        they start (their imports would print tracebacks). Waits in POLL_S slices. Raises the
+        engine's start error, Stopped once stop() is True, RuntimeError once closed."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self._eval_ready.wait(POLL_S):
+            with self._cv:
+                self._check()
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+        with self._cv:
+            self._check()  # a failed start sets the event too
+        return True
+
+    def evals_pending(self) -> list[int]:
+        """The versions of the evals submitted and not finished (running first, then waiting)."""
+        with self._cv:
+            return [job.version for job in self._evals]
+
+    def wait_evals(self, at_most: int = 0, timeout: float | None = None) -> bool:
+        """Wait until at most `at_most` evals are pending (`eval_results` then holds the others);
+        True then, False after `timeout` s. Waits in POLL_S slices. Raises Stopped once stop() is
+        True, the pipeline's error (an eval's, the eval engine's start error too), RuntimeError if
+        an engine died or the pipeline is closed."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._cv:
+            while True:
+                self._check()
+                if len(self._evals) <= at_most:
+                    return True
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(POLL_S if left is None else min(POLL_S, left))
+
+    def eval_results(self) -> list[EvalResult]:
+        """The evals finished since the last call, in the order they were submitted."""
+        with self._cv:
+            done, self._evals_done = list(self._evals_done), collections.deque()
+        return done
 
     def close(self) -> None:
-        """Stop the producer, abort in-flight requests (a weight load finishes first), shut an owned sampler down,
-        join the thread, end the engine's processes and idle reward workers, delete weight directories, end the
-        watchdog. Idempotent. Returns within about CLOSE_TIMEOUT s in all, whatever state the producer and the
-        engine are in (a dead or hung engine included): each wait gets what is left of that budget, and the engine's
-        processes still alive at its end are killed."""
+        """Stop the producer, abort in-flight requests (a weight load finishes first) and pending evals, shut
+        owned samplers down (the two engines at once), join the threads, end the engines' processes and idle reward
+        workers, delete weight directories and snapshots, end the watchdog. Idempotent. Returns within about
+        CLOSE_TIMEOUT s in all, whatever state the producer and the engines are in (a dead or hung engine
+        included): each wait gets what is left of that budget, and the engines' processes still alive at its end
+        are killed. An eval engine still starting then is left to the watchdog, which ends it once this process
+        exits (and to the eval thread, which shuts it down once started)."""
         with self._cv:
             if self._closed:
                 return
@@ -498,13 +641,23 @@ class Pipeline:
         atexit.unregister(self.close)
         deadline = time.monotonic() + CLOSE_TIMEOUT
         left = lambda: max(0.0, deadline - time.monotonic())
+        if self._eval_worker is not None:
+            self._eval_worker.cancel()  # vLLM aborts the eval's requests
         if self._producer is not None:
             self._on_loop(self._stop(), min(left(), 10.0))
-        waiter = threading.Thread(
-            target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
-        )
+
+        def shutdown_executors():
+            for ex in (self._executor, self._eval_executor):
+                ex.shutdown(cancel_futures=True)
+
+        waiter = threading.Thread(target=shutdown_executors, daemon=True)
         waiter.start()  # running reward calls hold workers that reward.close() would leave alive
         waiter.join(left())
+        eval_closed = []  # [True] once nothing of the eval engine runs
+        eval_closer = threading.Thread(
+            target=lambda: eval_closed.append(self._close_eval(left)), daemon=True
+        )
+        eval_closer.start()  # beside the training engine's shutdown: each may take seconds
         if self._thread is not None:
             if self.sampler is not None:
                 self.sampler.shutdown(timeout=max(left(), 1.0))  # kills what is left after it
@@ -514,10 +667,28 @@ class Pipeline:
             self._thread.join(left())
             if not self._thread.is_alive():
                 self.loop.close()
+        eval_closer.join(left())
         reward.close()
         shutil.rmtree(self._root, ignore_errors=True)
-        if self._watchdog is not None:
+        if self._watchdog is not None and eval_closed == [True]:
             watchdog.stop(self._watchdog)
+
+    def _close_eval(self, left) -> bool:
+        """close()'s part for the eval engine: True once nothing of it runs (an owned engine shut
+        down, its thread joined), False if it is still starting after what is `left()` of the
+        budget."""
+        if self._eval_thread is None:
+            return True
+        if not self._eval_ready.wait(left()):
+            return False
+        if self.eval_sampler is not None:
+            self.eval_sampler.shutdown(timeout=max(left(), 1.0))
+            self._on_loop(asyncio.sleep(0.2), left(), self.eval_loop)
+        self.eval_loop.call_soon_threadsafe(self.eval_loop.stop)
+        self._eval_thread.join(left())
+        if not self._eval_thread.is_alive():
+            self.eval_loop.close()
+        return True
 
     async def _produce(self) -> None:
         self._task, tasks = asyncio.current_task(), set()
@@ -545,7 +716,6 @@ class Pipeline:
             if (
                 self._error
                 or self._closed
-                or self._evaluating
                 or len(self._inflight) >= self.max_inflight
                 or not (
                     self._round_started < self.k * self.P
@@ -637,38 +807,83 @@ class Pipeline:
                 self._cv.notify_all()
             self._wake.set()
 
-    async def _evaluate(self, prompts, n, temperature, greedy, progress):
-        while self._applied < self._released:
-            with self._cv:
-                self._check()
-            await asyncio.sleep(0.05)
-        version = self._applied
-        jobs = [(p, n, temperature) for p in prompts] + [(p, 1, 0.0) for p in prompts if greedy]
-        bar = tqdm(
-            total=len(jobs),
-            desc=f"eval (version {version})",
-            unit="prompt",
-            leave=False,
-            disable=not progress,
-        )
-
-        async def sample(p, k, t):
-            g = await self.sampler.generate(p.prompt_ids, n=k, thinking=p.thinking, temperature=t)
-            bar.update()
-            return g
-
-        with self._cv:
-            self._evaluating += 1
+    async def _eval_engine(self, model: str | None, kwargs: dict) -> None:
+        """The eval thread's work: start an owned eval engine from `model`, then run the queued evals
+        one at a time, first in first out. Its errors reach the trainer's next wait."""
+        started = model is None
         try:
-            groups = await asyncio.gather(*[sample(*job) for job in jobs])
-        finally:
-            bar.close()
+            if model is not None:
+                try:
+                    self.eval_sampler = await generate.Sampler.create(model, **kwargs)
+                    self._eval_loaded = (model, self.eval_sampler.version)
+                finally:
+                    self._eval_ready.set()
+                with self._cv:
+                    closed = self._closed
+                if closed:  # close() stopped waiting for the start: nothing else will stop it
+                    return self.eval_sampler.shutdown()
+                started = True
+            while True:
+                await self._eval_wake.wait()
+                self._eval_wake.clear()
+                while True:
+                    with self._cv:
+                        job = self._evals[0] if self._evals else None
+                    if job is None:
+                        break
+                    result = await self._run_eval(job)
+                    with self._cv:
+                        self._evals.popleft()
+                        self._evals_done.append(result)
+                        self._cv.notify_all()
+        except Exception as exc:  # the engine's start, a load, sampling, a reward function
             with self._cv:
-                self._evaluating -= 1
-            self._wake.set()
+                job = self._evals[0] if self._evals else None
+            doing = (
+                f"evaluating version {job.version}"
+                if started and job
+                else "starting the eval engine"
+            )
+            self._fail(exc, doing)
+
+    async def _run_eval(self, job: _EvalJob) -> EvalResult:
+        """Load the job's weights into the idle eval engine (unless it holds them), sample, check that
+        every sampled token came from those weights, score -> EvalResult."""
+        sampler = self.eval_sampler
+        try:
+            if self._eval_loaded != (job.weights, sampler.version):
+                try:
+                    async with asyncio.timeout(self.gen_timeout):
+                        await sampler.update_weights(job.weights)
+                except TimeoutError as exc:
+                    raise TimeoutError(
+                        f"the eval engine did not load the weights of version {job.version} "
+                        f"within gen_timeout={self.gen_timeout} s"
+                    ) from exc
+                self._eval_loaded = (job.weights, sampler.version)
+        finally:
+            if job.owned:  # read to the end (or failed): the snapshot goes
+                shutil.rmtree(job.weights, ignore_errors=True)
+        loaded, t0 = sampler.version, time.perf_counter()
+        prompts = job.prompts
+        jobs = [(p, job.n, job.temperature) for p in prompts]
+        jobs += [(p, 1, 0.0) for p in prompts if job.greedy]
+        groups = await self._progressing(
+            [
+                sampler.generate(p.prompt_ids, n=k, thinking=p.thinking, temperature=t)
+                for p, k, t in jobs
+            ],
+            f"the eval of version {job.version}",
+        )
+        seen = {int(v) for g in groups for c in g for v in c.versions[c.mask].unique().tolist()}
+        if seen - {loaded}:
+            raise RuntimeError(
+                f"the eval of version {job.version} sampled tokens from eval-engine weights "
+                f"{sorted(seen)}, not only {loaded}: its weights changed during the eval"
+            )
         scored = await asyncio.gather(
             *[
-                self._score(p, [c.text for c in g])
+                self._score(p, [c.text for c in g], self._eval_executor)
                 for (p, _, _), g in zip(jobs, groups, strict=True)
             ]
         )
@@ -684,7 +899,7 @@ class Pipeline:
                 "tokens": len(c.completion_ids),
                 "interrupted": c.interrupted,
                 "truncated": c.truncated,
-                "version": version,
+                "version": job.version,
             }
             for p, g, (rs, why) in zip(prompts, groups, scored, strict=False)
             for j, c in enumerate(g)
@@ -693,19 +908,53 @@ class Pipeline:
             {"task": getattr(p, "task", "math"), "reward": rs[0]}
             for (p, _, _), (rs, _) in zip(jobs[len(prompts) :], scored[len(prompts) :], strict=True)
         ]
-        return eval_metrics(records, greedy), records
+        metrics = {**eval_metrics(records, greedy), "eval/version": job.version}
+        queued_s = t0 - job.submitted
+        return EvalResult(
+            job.version, job.tag, metrics, records, queued_s, time.perf_counter() - t0
+        )
 
-    async def _score(self, prompt, texts: list[str]) -> tuple[list[float], list[str] | None]:
+    async def _progressing(self, coros: list, what: str) -> list:
+        """asyncio.gather(*coros) for an eval's requests, which queue in the eval engine behind
+        each other (so no one request has a deadline): TimeoutError, the requests cancelled
+        (vLLM aborts them), once none has finished for gen_timeout s, the horizon on which a
+        training group calls the engine hung."""
+        last = time.perf_counter()
+
+        async def tick(coro):
+            nonlocal last
+            out = await coro
+            last = time.perf_counter()
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*map(tick, coros)))
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=min(self.gen_timeout, 5.0))
+                if not task.done() and time.perf_counter() - last > self.gen_timeout:
+                    raise TimeoutError(
+                        f"{what}: no request finished for gen_timeout={self.gen_timeout} s "
+                        "(the eval engine hangs?)"
+                    )
+            return task.result()
+        finally:
+            task.cancel()  # a no-op once done
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _score(
+        self, prompt, texts: list[str], executor=None
+    ) -> tuple[list[float], list[str] | None]:
         """(rewards, reasons or None) of `texts`, completions of `prompt`, from the reward function
-        of its kind (data.Prompt.kind), run in the reward thread pool. Raises ValueError when no
-        function grades the prompt's kind or the function returns the wrong number of values."""
+        of its kind (data.Prompt.kind), run in the reward thread pool (or `executor`). Raises
+        ValueError when no function grades the prompt's kind or the function returns the wrong number
+        of values."""
         fn, kind = self.reward_fn, getattr(prompt, "kind", "math")
         if isinstance(fn, dict) and kind not in fn:
             raise ValueError(f"no reward function for kind {kind!r} (have {sorted(fn)})")
         fn = fn[kind] if isinstance(fn, dict) else fn
         golds = [prompt.gold] * len(texts)
         out = await asyncio.get_running_loop().run_in_executor(
-            self._executor, fn, texts, golds, prompt.thinking, self.reward_timeout
+            executor or self._executor, fn, texts, golds, prompt.thinking, self.reward_timeout
         )
         pair = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], list | tuple)
         rewards, reasons = out if pair else (out, None)
@@ -725,9 +974,9 @@ class Pipeline:
         load = [self._loading] if self._loading and not owned else []
         await asyncio.gather(self._task, *load, return_exceptions=True)
 
-    def _on_loop(self, coro, timeout: float) -> None:
+    def _on_loop(self, coro, timeout: float, loop=None) -> None:
         # for close(): a stuck loop must not keep it from shutting the rest down
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, loop or self.loop)
         with contextlib.suppress(Exception):
             future.result(timeout)
         future.cancel()  # if it timed out; a coroutine never started is closed with it
@@ -739,19 +988,22 @@ class Pipeline:
             raise self._error
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        dead = self.sampler.dead() if isinstance(self.sampler, generate.Sampler) else None
-        if dead:
-            raise RuntimeError(f"{dead}; the pipeline cannot go on")
+        for name, sampler in (("", self.sampler), ("eval ", self.eval_sampler)):
+            dead = sampler.dead() if isinstance(sampler, generate.Sampler) else None
+            if dead:
+                raise RuntimeError(f"{name and 'eval engine: '}{dead}; the pipeline cannot go on")
 
     def _fail(self, exc: BaseException, doing: str) -> None:
-        exc.add_note(f"raised in the pipeline's producer thread while {doing}")
+        exc.add_note(
+            f"raised in the pipeline's {threading.current_thread().name} thread while {doing}"
+        )
         with self._cv:
             self._error = self._error or exc
             self._cv.notify_all()
 
-    def _poke(self, event: asyncio.Event) -> None:
+    def _poke(self, event: asyncio.Event, loop=None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to wake
-            self.loop.call_soon_threadsafe(event.set)
+            (loop or self.loop).call_soon_threadsafe(event.set)
 
     def _remove(self, path: str) -> None:
         if os.path.dirname(os.path.abspath(path)) == self._root:

@@ -1,12 +1,18 @@
 """Where a run's processes go, and whether they fit: the start-up plan rank 0 prints (issue 10).
 
-    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # 8 GPUs: trainers on 0-3, vLLM on 4-7
+    torchrun --nproc_per_node 4 train.py --model qwen3-8b   # 8 GPUs: trainers 0-3, vLLM 4-6, eval 7
 
 Default: trainer rank r uses visible GPU r of its node (torchrun's LOCAL_RANK), and the generator
 (vLLM) gets every visible GPU of rank 0's node that no trainer rank uses, as dp engines of tp GPUs
 each. `--share-gpu` puts the generator on rank 0's GPU beside its trainer instead (small models
 only). `--generator-gpus` indexes the visible list, as CUDA itself does under an inherited
 CUDA_VISIBLE_DEVICES; the plan maps those indices to the physical ids the engine's processes get.
+Evaluation has an engine of its own (pipeline.py: an eval is a snapshot of one weight version, so
+it cannot share the engine that takes in-flight updates): `--eval-gpus` of the generator GPUs, the
+last ones (default: tp of them when the generator has at least 2 x tp, so training generation never
+waits for an eval), else (0) it shares the generator's first tp GPUs, taking what holds its weights
+and EVAL_SHARED_SEQS sequences out of vLLM's memory share there. On CPU it shares the cores (at low
+priority: generate.Sampler's `nice`).
 Pure: GPU count and memory are arguments; nothing here touches CUDA or imports vLLM.
 
 Memory is estimated per GPU, in bytes (departures from a measurement, and why):
@@ -24,6 +30,7 @@ Memory is estimated per GPU, in bytes (departures from a measurement, and why):
    fp32), VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
 """
 
+import math
 import shlex
 from dataclasses import dataclass, field
 
@@ -35,6 +42,10 @@ CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL buffers and allocator slack of one
 VLLM_RESERVE_BYTES = 4 * GIB  # vLLM's activations, CUDA graphs and sampler buffers (estimate)
 DEDICATED_UTILIZATION = 0.9  # vLLM's share of a GPU it has to itself
 SHARED_UTILIZATION = 0.5  # ... of a GPU it shares with trainer rank 0 (--share-gpu)
+# full-length sequences the eval engine's KV cache holds on a GPU it shares with the training engine
+# (--eval-gpus 0): it takes its weights, reserve and so much KV cache (at most half of vLLM's share);
+# the training engine the rest. Few: there the eval slows training generation anyway
+EVAL_SHARED_SEQS = 4
 HEAD_CHUNK = 1024  # loss.token_logprobs' chunk_size: rows of (chunk, V) fp32 logits at a time
 
 
@@ -149,6 +160,19 @@ class Row:
 
 
 @dataclass
+class Engine:
+    """The eval engine's placement (the training engine's is Plan's own fields)."""
+
+    gpus: list[str] | None  # physical ids for its CUDA_VISIBLE_DEVICES; None on CPU
+    tp: int
+    dp: int
+    utilization: float | None  # its gpu_memory_utilization; None on CPU
+    shared: bool  # on the training engine's GPUs (or the CPU): an eval slows training generation
+    max_num_seqs: int
+    kv_seqs: int  # KV capacity in max_model_len sequences per engine (estimate)
+
+
+@dataclass
 class Plan:
     """The placement decided at start-up (rank 0's node); non-empty `errors`: it must not run."""
 
@@ -163,6 +187,7 @@ class Plan:
     )
     max_num_seqs: int
     kv_seqs: int  # KV capacity in max_model_len sequences per engine (estimate)
+    eval: Engine | None = None
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     fix: str | None = None  # the command to run instead
@@ -210,11 +235,13 @@ def plan(
     mode: str,
     max_inflight: int,
     kv_cache_bytes: int | None = None,
+    eval_gpus: int | None = None,
+    eval_seqs: int = 1,
     argv: list[str] = (),
     suggest: bool = True,
 ) -> Plan:
-    """Place trainer ranks and the generator on rank 0's node and check that they fit (module
-    docstring).
+    """Place trainer ranks, the generator and the eval engine on rank 0's node and check that they
+    fit (module docstring).
 
     n_gpus: visible GPUs (0 = CPU: one device runs everything, nothing is checked); gpu_bytes: each
     one's memory; world: trainer ranks in all; local_world: those on rank 0's node (visible GPUs
@@ -222,17 +249,20 @@ def plan(
     share_gpu: allow (and by default use) trainer GPUs for the generator; utilization: vLLM's share
     (None: DEDICATED_ or SHARED_UTILIZATION); microbatch_tokens: tokens per trainer forward (the
     micro-batch token budget); dtype_bytes: the sampler's weight dtype; P, G, k, mode, max_inflight: see
-    `max_num_seqs`; kv_cache_bytes: the CPU engine's KV cache; argv: train.py's arguments, for the
-    suggested command (suggest=False: none). Returns a Plan and never raises on a bad placement
-    (`errors` say why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter
-    than n_gpus.
+    `max_num_seqs`; kv_cache_bytes: the CPU engines' KV cache; eval_gpus: generator GPUs (the last
+    ones) given to the eval engine, 0 = it shares the generator's first tp GPUs, None = tp of them
+    when the generator has >= 2 tp, else 0; eval_seqs: sequences one eval samples (prompts x
+    (samples + 1 greedy)), for its max_num_seqs; argv: train.py's arguments, for the suggested
+    command (suggest=False: none). Returns a Plan and never raises on a bad placement (`errors` say
+    why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter than n_gpus.
     """
     seqs = dict(P=P, G=G, k=k, mode=mode, max_inflight=max_inflight)
     if n_gpus == 0:
         kv = (kv_cache_bytes or GIB) // (kv_bytes_per_token(shape, dtype_bytes) * max_model_len)
         n = max_num_seqs(**seqs, dp=1, kv_seqs=kv)
-        row = Row(-1, "cpu", f"{world} trainer rank(s) + generator", {}, 0)
-        return Plan([row], None, 1, 1, None, False, 1, n, kv)
+        ev = Engine(None, 1, 1, None, True, max(1, min(eval_seqs, kv)), kv)
+        row = Row(-1, "cpu", f"{world} trainer rank(s) + generator + eval engine", {}, 0)
+        return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
     physical = visible_gpus(cuda_visible_devices, n_gpus)
     trainer = list(range(min(local_world, n_gpus)))
     errors, notes = [], []
@@ -258,13 +288,33 @@ def plan(
             )
         if len(gen) % tp:
             errors.append(f"--generator-gpus {gen}: not a multiple of --tensor-parallel-size {tp}")
-    shared = [g for g in gen if g in trainer]
+    n_eval = (tp if len(gen) >= 2 * tp else 0) if eval_gpus is None else eval_gpus
+    if n_eval % tp or (gen and n_eval > len(gen) - tp):
+        errors.append(
+            f"--eval-gpus {n_eval}: must be a multiple of --tensor-parallel-size {tp} and leave "
+            f"at least {tp} of the {len(gen)} generator GPU(s) to training generation"
+        )
+        n_eval = 0
+    # the eval engine: the last n_eval generator GPUs, or (0) beside the training engine on its first tp
+    ev_gpus = gen[len(gen) - n_eval :] if n_eval else gen[:tp]
+    gen = gen[: len(gen) - n_eval]
+    shared = [g for g in gen + ev_gpus if g in trainer]
     if shared and not share_gpu:
         errors.append(
-            f"--generator-gpus {gen} overlaps the GPU(s) {shared} of trainer rank(s) {shared}; "
-            f"--share-gpu shares them on purpose (small models only)"
+            f"--generator-gpus {gen + ev_gpus} overlaps the GPU(s) {shared} of trainer rank(s) "
+            f"{shared}; --share-gpu shares them on purpose (small models only)"
         )
-    util = utilization or (SHARED_UTILIZATION if shared else DEDICATED_UTILIZATION)
+    base = lambda gpus: (
+        utilization or (SHARED_UTILIZATION if set(gpus) & set(trainer) else DEDICATED_UTILIZATION)
+    )
+    kw = dict(gpu_bytes=gpu_bytes, tp=tp, dtype_bytes=dtype_bytes, fp32_head=fp32_head)
+    per_seq = kv_bytes_per_token(shape, dtype_bytes, tp) * max_model_len
+    util, ev_util = base(gen), base(ev_gpus)
+    if not n_eval:  # one vLLM share per GPU, split between the two engines
+        weights = generator_bytes(shape, utilization=0.0, **kw)["weights"]
+        need = weights + VLLM_RESERVE_BYTES + EVAL_SHARED_SEQS * per_seq
+        ev_util = min(util / 2, math.ceil(need / gpu_bytes * 1e4) / 1e4)  # up: >= need bytes
+        util -= ev_util
     tokens = microbatch_tokens
     tr = trainer_bytes(
         shape, world=world, tokens=tokens, checkpointing=checkpointing, fp32_head=fp32_head
@@ -272,16 +322,12 @@ def plan(
     other = trainer_bytes(
         shape, world=world, tokens=tokens, checkpointing=not checkpointing, fp32_head=fp32_head
     )
-    gb = generator_bytes(
-        shape,
-        gpu_bytes=gpu_bytes,
-        utilization=util,
-        tp=tp,
-        dtype_bytes=dtype_bytes,
-        fp32_head=fp32_head,
-    )
-    kv_seqs = max(0, gb["kv"]) // (kv_bytes_per_token(shape, dtype_bytes, tp) * max_model_len)
+    gb = generator_bytes(shape, utilization=util, **kw)
+    ev_gb = generator_bytes(shape, utilization=ev_util, **kw)
+    kv_seqs = max(0, gb["kv"]) // per_seq
+    ev_kv = max(0, ev_gb["kv"]) // per_seq
     dp = max(1, len(gen) // tp)
+    ev_dp = max(1, n_eval // tp)
     rows = []
     for g in range(n_gpus):
         parts = dict(tr) if g in trainer else {}
@@ -290,6 +336,14 @@ def plan(
             i = gen.index(g)
             roles.append(f"vLLM dp {i // tp}" + (f" tp {i % tp}" if tp > 1 else ""))
             parts["vllm"] = int(util * gpu_bytes)
+        if g in ev_gpus:
+            i = ev_gpus.index(g)
+            roles.append(
+                "vLLM eval"
+                + (f" dp {i // tp}" if ev_dp > 1 else "")
+                + (f" tp {i % tp}" if tp > 1 else "")
+            )
+            parts["eval"] = int(ev_util * gpu_bytes)
         rows.append(Row(g, physical[g], " + ".join(roles) or "idle", parts, sum(parts.values())))
     with_ac = "with" if checkpointing else "without"
     notes.append(
@@ -297,24 +351,44 @@ def plan(
         f"{_gib(other['activations'])} GiB {'without' if checkpointing else 'with'} (micro-batch of "
         f"{microbatch_tokens} tokens)"
     )
-    if gen:
+    for name, u, b, n in (("vLLM", util, gb, gen), ("eval vLLM", ev_util, ev_gb, ev_gpus)):
+        if n:
+            notes.append(
+                f"{name} {u:.2f} share of each of its GPUs: weights {_gib(b['weights'])} + "
+                f"reserve {_gib(b['reserve'])} + KV cache {_gib(max(b['kv'], 0))} GiB"
+            )
+    if gen and not n_eval:
         notes.append(
-            f"vLLM {util:.2f} share of each generator GPU: weights {_gib(gb['weights'])} + reserve "
-            f"{_gib(gb['reserve'])} + KV cache {_gib(max(gb['kv'], 0))} GiB"
+            "the eval engine shares the generator's GPU(s): while an eval runs, training "
+            "generation there gets part of the GPU's time; --eval-gpus gives it GPUs of its own"
         )
     for r in rows:
         if r.total > gpu_bytes:
             errors.append(f"GPU {r.gpu} ({r.role}) needs ~{_gib(r.total)} of {_gib(gpu_bytes)} GiB")
-    if gen and kv_seqs < 1:
-        errors.append(
-            f"vLLM's {util:.2f} share of {_gib(gpu_bytes)} GiB holds {_gib(gb['weights'])} GiB "
-            "of weights "
-            f"per GPU but no KV cache for one {max_model_len}-token sequence at tp {tp}"
-        )
+    for name, u, b, n, cap in (
+        ("vLLM", util, gb, gen, kv_seqs),
+        ("the eval engine", ev_util, ev_gb, ev_gpus, ev_kv),
+    ):
+        if n and cap < 1:
+            errors.append(
+                f"{name}'s {u:.2f} share of {_gib(gpu_bytes)} GiB holds {_gib(b['weights'])} "
+                f"GiB of weights per GPU but no KV cache for one {max_model_len}-token sequence "
+                f"at tp {tp}"
+            )
     n = max_num_seqs(**seqs, dp=dp, kv_seqs=max(kv_seqs, 1))
-    devices = world + len([g for g in gen if g not in trainer])  # distinct GPUs: shared ones once
-    dedicated = bool(gen) and not shared
-    out = Plan(rows, [physical[g] for g in gen], tp, dp, util, dedicated, devices, n, kv_seqs)
+    # distinct GPUs: shared ones once
+    devices = world + len({g for g in gen + ev_gpus if g not in trainer})
+    dedicated = bool(gen) and not [g for g in gen if g in trainer]
+    ev = Engine(
+        [physical[g] for g in ev_gpus],
+        tp,
+        ev_dp,
+        ev_util,
+        not n_eval,
+        max(1, min(-(-eval_seqs // ev_dp), max(ev_kv, 1))),
+        ev_kv,
+    )
+    out = Plan(rows, [physical[g] for g in gen], tp, dp, util, dedicated, devices, n, kv_seqs, ev)
     out.notes, out.errors = notes, errors
     if errors and suggest and world == local_world:
         kw = dict(
@@ -328,6 +402,7 @@ def plan(
             max_model_len=max_model_len,
             fp32_head=fp32_head,
             dtype_bytes=dtype_bytes,
+            eval_seqs=eval_seqs,
             suggest=False,
             **seqs,
         )
@@ -346,7 +421,7 @@ def _suggestion(shape: Shape, kw: dict, world: int, checkpointing: bool, argv) -
         key=lambda t: (t != n // 2, t),
     )
     tries = [(t, False) for t in ranks] + [(world, True)]
-    drop = ("--generator-gpus", "--share-gpu", "--no-activation-checkpointing")
+    drop = ("--generator-gpus", "--share-gpu", "--no-activation-checkpointing", "--eval-gpus")
     for ac in dict.fromkeys([checkpointing, True]):
         for t, share in tries:
             p = plan(shape, world=t, local_world=t, share_gpu=share, checkpointing=ac, **kw)
@@ -366,14 +441,20 @@ def check(p: Plan) -> None:
 
 def describe(p: Plan) -> str:
     """The plan as rank 0 prints it: one line per GPU with its role and estimated memory (GiB)."""
+    ev = p.eval
     if p.generator is None:
-        return f"placement: CPU, one device; vLLM max_num_seqs {p.max_num_seqs}; weights via disk"
+        return (
+            f"placement: CPU, one device; vLLM max_num_seqs {p.max_num_seqs}; the eval engine "
+            f"shares the cores at low priority (max_num_seqs {ev.max_num_seqs}); weights via disk"
+        )
+    where = "sharing the generator's" if ev.shared else "on"
     head = (
         f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; "
         f"generator tp {p.tp} x dp {p.dp} "
-        f"on physical GPU(s) {','.join(p.generator) or '-'}; gpu_hours counts {p.devices} GPU(s); "
-        f"vLLM max_num_seqs {p.max_num_seqs} per engine "
-        f"(KV cache ~{p.kv_seqs} full-length sequences)"
+        f"on physical GPU(s) {','.join(p.generator) or '-'}; eval engine tp {ev.tp} x dp "
+        f"{ev.dp} {where} physical GPU(s) {','.join(ev.gpus) or '-'}; gpu_hours counts "
+        f"{p.devices} GPU(s); vLLM max_num_seqs {p.max_num_seqs} per engine "
+        f"(KV cache ~{p.kv_seqs} full-length sequences), eval {ev.max_num_seqs}"
     )
     lines = [head]
     for r in p.rows:

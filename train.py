@@ -37,6 +37,7 @@ if (
 ):  # flags first: --help and a bad flag answer in ~1 s, before torch and vLLM load
     ARGS = config.cli()
 
+import bisect
 import collections
 import dataclasses
 import datetime
@@ -48,6 +49,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -78,9 +80,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_distributed():
+HEARTBEAT_S = 1.0  # rank0_call: the other ranks' poll while rank 0 waits (vLLM, rollouts, evals)
+EVAL_NICE = 19  # the eval engine's CPU priority when it shares the CPU with the trainer (lowest)
+
+
+def setup_distributed(timeout_s: float = 1800.0):
     """torchrun sets RANK / WORLD_SIZE; a plain `python train.py` becomes a 1-rank group, so one code path (FSDP2)
-    serves both. NCCL on GPU, gloo on CPU. Returns (rank, world, device)."""
+    serves both. NCCL on GPU, gloo on CPU. timeout_s: how long a rank may wait in one collective
+    (--dist-timeout); rank 0's long waits go through rank0_call, so this only has to catch a hung
+    rank. Returns (rank, world, device)."""
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",
@@ -93,13 +101,48 @@ def setup_distributed():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    # 2 h: the other ranks wait in a collective while rank 0 evaluates (1,000 x 16 samples of 12k tokens on GPUs)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         device_id=device if cuda else None,
-        timeout=datetime.timedelta(hours=2),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank0_call(fn, share: bool = False):
+    """fn() on rank 0, in a thread, while every rank waits in one small all-reduce per HEARTBEAT_S
+    until it returns: rank 0's long waits (vLLM starting, a batch of rollouts, evals still running)
+    never hold another rank in one collective for longer, so --dist-timeout need not cover them
+    (issue 10: a 2 h timeout used to cover rank 0's eval). Returns fn's result on rank 0 (on every
+    rank with `share`, broadcast: keep it small), None elsewhere. fn's exception is raised on rank 0
+    (the original, with its traceback) and, as RuntimeError naming it, on the other ranks, which
+    therefore stop at once instead of waiting in their next collective."""
+    out, thread = {}, None
+    if dist.get_rank() == 0:
+
+        def run():
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # re-raised in the calling thread
+                out["error"] = e
+
+        thread = threading.Thread(target=run, name="rank0-call", daemon=True)
+        thread.start()
+    while True:
+        if thread is not None:
+            thread.join(HEARTBEAT_S)
+        done = torch.tensor([float(thread is not None and not thread.is_alive())])
+        if all_reduce(done, dist.ReduceOp.MAX).item() > 0:
+            break
+    error = out.get("error")
+    box = [(error and f"{type(error).__name__}: {error}", out.get("value") if share else None)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box)
+    if error is not None:
+        raise error
+    if box[0][0] is not None:
+        raise RuntimeError(f"rank 0 failed: {box[0][0]}")
+    return box[0][1] if share else out.get("value")
 
 
 def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> placement.Plan:
@@ -134,6 +177,8 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
             mode=args.async_mode,
             max_inflight=2 * P,  # the Pipeline's max_inflight below
             kv_cache_bytes=int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30),
+            eval_gpus=args.eval_gpus,
+            eval_seqs=args.eval_size * (args.eval_n + 1),  # + one greedy sample per prompt
             argv=sys.argv[1:],
         )
         print(placement.describe(plan[0]), flush=True)
@@ -143,18 +188,24 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
 
 
 def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
-    """push(version), called on every rank after each step: the new weights to the sampler, as
-    trainer version `version`. "disk": gathered per parameter in the sampler dtype
+    """push(version, snapshot=None), called on every rank after each step: the new weights to the
+    sampler, as trainer version `version`. "disk": gathered per parameter in the sampler dtype
     (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
     flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
     engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
     tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
-    pipeline releases the version (pipe.publish_by), every rank joining the gathers."""
+    pipeline releases the version (pipe.publish_by), every rank joining the gathers.
+    snapshot (every rank or none; an eval step): called on rank 0 with a directory holding the
+    version's weights (with None elsewhere) before the sampler may load and delete it, for
+    pipe.submit_eval to snapshot. Under "nccl" that directory is written for it (an export, every
+    rank joining, once per eval) and deleted after."""
     if backend == "disk":
 
-        def push(version: int) -> None:
+        def push(version: int, snapshot=None) -> None:
             out_dir = pipe.weights_dir(version) if pipe else None
             checkpoint.export_weights(policy, out_dir, dtype)
+            if snapshot is not None:
+                snapshot(out_dir)
             if pipe:
                 pipe.publish(out_dir, version)
 
@@ -169,7 +220,13 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
         world_size=1 + engine_ranks,
     )
 
-    def push(version: int) -> None:
+    def push(version: int, snapshot=None) -> None:
+        if snapshot is not None:  # the eval engine loads from disk: one export per eval
+            out_dir = pipe.weights_dir(version) if pipe else None
+            checkpoint.export_weights(policy, out_dir, dtype)
+            snapshot(out_dir)
+            if pipe:
+                shutil.rmtree(out_dir)
         go = [pipe.releases() if pipe else None]
         dist.broadcast_object_list(go)  # PPO-off-policy-k sends once per round: all ranks or none
         if pipe:
@@ -519,9 +576,10 @@ def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
 
 def curve_fit(history: list[dict], steps: int) -> dict:
     """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and predict the pass
-    rate at the last step, extrapolating compute linearly in steps. {} until there are 4 points past step 0."""
+    rate at the last step, extrapolating compute linearly in steps. history: the evals finished so far, in compute
+    order. {} until R0 and 4 points past step 0 have finished."""
     pts = [(h["gpu_hours"], h["eval/pass_rate"]) for h in history if h["step"] > 0]
-    if len(pts) < 4:
+    if len(pts) < 4 or history[0]["step"] != 0:
         return {}
     C, R = map(np.array, zip(*pts, strict=True))
     try:
@@ -546,6 +604,11 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     A run of several tasks (history with eval/<task>/pass_rate) also gets one fit per task, under
     "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those curves
     instead of the overall one. A fit that fails holds its "error" and is not drawn."""
+    if not history or history[0]["step"] != 0:  # R0 was abandoned (Ctrl-C) and could not run again
+        out = {"error": "no step-0 eval (R0): nothing to fit against"}
+        with open(os.path.join(run_dir, "fit.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        return out
     C = np.array([h["gpu_hours"] for h in history[1:]])
     half = C[-1] / 2 if len(C) else 0.0
     tasks = [m[1] for k in history[0] if (m := re.fullmatch(r"eval/(.+)/pass_rate", k))]
@@ -743,7 +806,7 @@ def on_stop_signal(stop: dict) -> None:
 
 
 def main(args: Args) -> None:
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(args.dist_timeout)
     master = rank == 0
     cuda = device.type == "cuda"
     if master and not cuda and config.model_kind(args.model) in ("dir", "hub"):
@@ -808,9 +871,10 @@ def main(args: Args) -> None:
     if args.resume:
         state = checkpoint.load_checkpoint(run_dir, policy, optimizer)
         pool.load_state_dict(state["pool"])
-        if master:
-            checkpoint.truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["step"])
-            checkpoint.truncate_log(os.path.join(run_dir, "samples.jsonl"), state["step"])
+        if master:  # evals logged after the checkpoint are not in its history: they go too
+            done = {h["step"] for h in state["history"]}
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                checkpoint.truncate_log(os.path.join(run_dir, name), state["step"], evals=done)
     step, clock, history = state["step"], state["clock"], state["history"]
     # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM); it starts from the current weights
     stop = {"requested": False}  # set by the first Ctrl-C (on_stop_signal)
@@ -853,6 +917,26 @@ def main(args: Args) -> None:
             interruptions=args.interruptions,
             fp32_head=args.fp32_head,
         )
+        eval_engine = dict(
+            sampler_kwargs,
+            gpus=plan.eval.gpus,
+            tensor_parallel_size=plan.eval.tp,
+            data_parallel_size=plan.eval.dp,
+            gpu_memory_utilization=plan.eval.utilization,
+            max_num_seqs=plan.eval.max_num_seqs,
+            weight_transfer="disk",  # snapshots: an eval loads one version, once
+        )
+        if not cuda:  # one device: the eval engine takes the CPU the trainer leaves (EVAL_NICE)
+            eval_engine.update(
+                nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)}
+            )
+        # a group may wait behind every rollout in flight, each up to max_model_len tokens
+        gen_timeout = args.gen_timeout or pipeline.group_timeout(
+            args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
+        )
+
+    # vLLM's start, on rank 0, while the other ranks poll (rank0_call)
+    def start_pipeline():  # and its eval engine, before the first step: no Ctrl-C meets it starting
         pipe = pipeline.Pipeline(
             start_dir or path,
             train_prompts,
@@ -864,11 +948,23 @@ def main(args: Args) -> None:
             max_inflight=2 * P,
             reward_fn=reward_fn,
             sampler_kwargs=sampler_kwargs,
+            gen_timeout=gen_timeout,
             version=step,
             weights_bytes=n_params * gen_dtype.itemsize,
             spill_dir=run_dir,
             stop=lambda: stop["requested"],
+            evaluator=start_dir or path,
+            eval_sampler_kwargs=eval_engine,
         )
+        try:
+            pipe.wait_eval_engine()
+        except BaseException:
+            pipe.close()
+            raise
+        return pipe
+
+    pipe = rank0_call(start_pipeline)
+    if master:
         # vLLM's handler, set up as the engine started: after a Ctrl-C, the engine's death is no news
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(lambda record: not stop["requested"])
@@ -901,95 +997,179 @@ def main(args: Args) -> None:
             config=dataclasses.asdict(args),
             resume="allow",
         )
+        wandb.define_metric("eval/step")  # an eval's line comes steps after the step it measured
+        for prefix in ("eval/*", "fit/*"):
+            wandb.define_metric(prefix, step_metric="eval/step")
     on_stop_signal(stop)
     metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if master else None
     samples_f = open(os.path.join(run_dir, "samples.jsonl"), "a") if master else None
 
-    first_eval = True  # the thinking format is checked once, on the run's first eval
+    first_eval = [True]  # the thinking format is checked once, on the run's first finished eval
+    is_eval_step = lambda s: s % args.eval_every == 0 or s == args.steps  # and step 0 (R0)
 
-    def evaluate() -> dict:
-        nonlocal first_eval
-        t0 = time.perf_counter()
-        m = {}
-        if master:
-            # the paper's metric: eval_n samples at the training temperature; greedy is logged beside it, never fitted
-            try:
-                m, records = pipe.evaluate(eval_prompts, args.eval_n, greedy=True, progress=True)
-            except pipeline.Stopped:  # Ctrl-C: the eval is abandoned; the step is logged and saved
-                records = []
-            if thinking and first_eval and records:
-                if warning := data.thinking_warning(records):
-                    print(warning, flush=True)
-                first_eval = False
-            shown = collections.Counter()  # the first log_samples records of each task
-            for r in records:
-                shown[r["task"]] += 1
-                if shown[r["task"]] <= args.log_samples:
-                    samples_f.write(json.dumps({"step": step, "split": "eval", **r}) + "\n")
-        m["time/eval_s"] = time.perf_counter() - t0
-        return m
+    def clock_fields(c: dict) -> dict:
+        return {
+            "gpu_hours": c["gpu_hours"],
+            "tokens": c["gen_tokens"] + c["train_tokens"],
+            "flops": c["flops"],
+            "clock/gen_tokens": c["gen_tokens"],
+            "clock/train_tokens": c["train_tokens"],
+        }
+
+    def write(line: dict) -> None:  # rank 0: one metrics.jsonl line, and W&B
+        metrics_f.write(json.dumps(line) + "\n")
+        metrics_f.flush()
+        samples_f.flush()
+        if args.wandb_project:  # eval lines come late: their charts run on eval/step
+            wandb.log(
+                {**line, "eval/step": line["step"]} if "eval/version" in line else line, step=step
+            )
 
     def log(m: dict) -> None:
         if not master:
             return
-        line = {
-            "step": step,
-            "gpu_hours": clock["gpu_hours"],
-            "tokens": clock["gen_tokens"] + clock["train_tokens"],
-            "flops": clock["flops"],
-            "clock/gen_tokens": clock["gen_tokens"],
-            "clock/train_tokens": clock["train_tokens"],
-            **m,
-        }
-        metrics_f.write(json.dumps(line) + "\n")
-        metrics_f.flush()
-        samples_f.flush()
-        if args.wandb_project:
-            wandb.log(line, step=step)
-        ev = f" | eval {m['eval/pass_rate']:.3f}" if "eval/pass_rate" in m else ""
-        per_task = [
-            (t[1], v) for k, v in m.items() if (t := re.fullmatch(r"eval/(.+)/pass_rate", k))
-        ]
-        if per_task:  # a run of several tasks: each task's rate beside the overall one
-            ev += f" ({', '.join(f'{t} {v:.3f}' for t, v in per_task)})"
-        fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
-        reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"  # step 0: no batch yet
+        write({"step": step, **clock_fields(clock), **m})
+        reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"
         print(
-            f"step {step:5d}/{args.steps} | reward {reward}{ev}{fitted} | "
+            f"step {step:5d}/{args.steps} | reward {reward} | "
             f"lag {m.get('train/lag_max', 0):.0f} | zero-var {m.get('filter/zero_var_frac', 0):.2f} | active "
             f"{pool.num_active} | clip {m.get('train/clip_frac', 0):.3f} | {m.get('time/step_s', 0):.1f} s",
             flush=True,
         )
 
+    def submit_eval(weights: str | None, tag: dict) -> None:
+        """Rank 0: queue the eval of the weights in `weights` (trainer version tag["step"]) on the
+        eval engine (pipeline.py); tag["clock"], the compute clock of that version, may be filled in
+        later (before log_evals runs). The paper's metric: eval_n samples per held-out prompt at the
+        training temperature; one greedy sample beside it, logged, never fitted."""
+        try:
+            pipe.submit_eval(
+                eval_prompts,
+                args.eval_n,
+                version=tag["step"],
+                weights=weights,
+                greedy=True,
+                tag=tag,
+            )
+        except pipeline.Stopped:  # Ctrl-C meanwhile: abandoned with the others (save)
+            pass
+
+    def log_evals() -> None:
+        """Rank 0: every eval finished since the last call gets its metrics.jsonl line against the
+        step, weight version and compute clock it measured (logged later, in the order submitted),
+        its samples, its place in the history (compute order) and the live fit (fit/*)."""
+        for r in pipe.eval_results():
+            at, c = r.tag["step"], r.tag["clock"]
+            if thinking and first_eval[0] and (warning := data.thinking_warning(r.records)):
+                print(warning, flush=True)
+            first_eval[0] = False
+            shown = collections.Counter()  # the first log_samples records of each task
+            for rec in r.records:
+                shown[rec["task"]] += 1
+                if shown[rec["task"]] <= args.log_samples:
+                    samples_f.write(json.dumps({"step": at, "split": "eval", **rec}) + "\n")
+            point = {"step": at, "gpu_hours": c["gpu_hours"], **r.metrics}
+            bisect.insort(history, point, key=lambda h: (h["gpu_hours"], h["step"]))
+            m = {
+                **r.metrics,
+                "eval/logged_at_step": step,
+                "time/eval_s": r.eval_s,
+                "time/eval_queued_s": r.queued_s,
+                **curve_fit(history, args.steps),
+            }
+            write({"step": at, **clock_fields(c), **m})
+            fitted = (
+                f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
+            )
+            per_task = [
+                (t[1], v) for k, v in m.items() if (t := re.fullmatch(r"eval/(.+)/pass_rate", k))
+            ]  # a run of several tasks: each task's rate beside the overall one
+            tasks = f" ({', '.join(f'{t} {v:.3f}' for t, v in per_task)})" if per_task else ""
+            print(
+                f"eval {at:5d}/{args.steps} | pass {m['eval/pass_rate']:.3f}{tasks} | greedy "
+                f"{m['eval/greedy_pass_rate']:.3f}{fitted} | version {r.version} | {r.eval_s:.1f} s "
+                f"after {r.queued_s:.1f} s queued, logged at step {step}",
+                flush=True,
+            )
+
+    def await_evals(done, why: str, count: bool = True) -> bool:
+        """Every rank (a collective): rank 0 waits until done(versions of the evals pending) holds,
+        logging each eval as it finishes, while the other ranks poll (rank0_call); with `count`, the
+        wait goes on the compute clock (the devices are held meanwhile; inside a step it is in the
+        step's time already). False if a stop (Ctrl-C) cut it short."""
+
+        def wait() -> bool:
+            t0 = time.perf_counter()
+            try:
+                while not done(pipe.evals_pending()):
+                    pipe.wait_evals(len(pipe.evals_pending()) - 1, timeout=HEARTBEAT_S)
+                    log_evals()
+            except pipeline.Stopped:
+                return False
+            finally:
+                waited = time.perf_counter() - t0
+                clock["gpu_hours"] += waited * devices / 3600 if count else 0.0
+                if waited > HEARTBEAT_S:
+                    print(f"waited {waited:.1f} s for {why}", flush=True)
+            log_evals()
+            return True
+
+        return rank0_call(wait, share=True)
+
     saved = [step if args.resume else None]  # the step of the newest checkpoint
 
-    def save() -> None:  # a collective: every rank writes its shards
-        if saved[0] != step:
-            run_state = {
-                "version": step,
-                "clock": clock,
-                "history": history,
-                "pool": pool.state_dict() if master else None,
-            }
-            checkpoint.save_checkpoint(run_dir, step, policy, optimizer, run_state)
-            saved[0] = step
+    def save(stopping: bool = False) -> None:  # a collective: every rank writes its shards
+        """A checkpoint of this step. The evals of earlier versions finish first (pending ones are
+        few: max_evals_pending), so that the history saved holds them; this step's own eval runs
+        again on --resume, from the restored weights (the last step's is waited for: the run
+        ends). On a stop (Ctrl-C) pending evals are abandoned and said so."""
+        if saved[0] == step:
+            return
+        last = step + 1 if step == args.steps else step
+        if stopping or not await_evals(
+            lambda pending: all(v >= last for v in pending), "earlier evals at the checkpoint"
+        ):
+            lost = pipe.evals_pending() if master else []
+            if lost:
+                again = f"; step {step}'s runs again on --resume" if step in lost else ""
+                print(
+                    f"warning: the eval(s) of step(s) {lost} were still running: abandoned{again}",
+                    flush=True,
+                )
+        run_state = {
+            "version": step,
+            "clock": clock,
+            "history": history,
+            "pool": pool.state_dict() if master else None,
+        }
+        checkpoint.save_checkpoint(run_dir, step, policy, optimizer, run_state)
+        saved[0] = step
 
+    def next_batch():  # rank 0, through rank0_call
+        try:
+            return pipe.get_batch(step)
+        except pipeline.Stopped:  # Ctrl-C while waiting for rollouts
+            return None
+
+    stopped = False  # the loop ended on a stop (every rank alike)
     try:
-        if step == 0:  # R0: the pass rate before RL, the curve's anchor (PAPER.md 8.1)
-            m = evaluate()
-            # rank 0, unless a Ctrl-C abandoned it (then step 0 runs again on --resume)
-            if "eval/pass_rate" in m:  # with eval/<task>/pass_rate, each task's R0
-                history.append({"step": 0, "gpu_hours": 0.0, **m})
-                log(m)
+        if master:  # R0, the curve's anchor (PAPER.md 8.1), from the start weights; on --resume
+            # also the checkpoint's own eval if it had not finished (R0 if a Ctrl-C abandoned it)
+            done = {h["step"] for h in history}
+            zero = {"gpu_hours": 0.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0}
+            if 0 not in done and (step == 0 or os.path.isdir(path)):
+                submit_eval(path, {"step": 0, "clock": zero})
+            elif 0 not in done:
+                print(
+                    f"warning: no step-0 eval (R0) and {path} is not a directory to rerun it from"
+                )
+            if step > 0 and is_eval_step(step) and step not in done:
+                submit_eval(start_dir, {"step": step, "clock": dict(clock)})
         while step < args.steps:
             t0 = time.perf_counter()
             # ---- 1. rollouts: P groups with lag <= k, from the producer thread (rank 0), to every rank
             payload = [None]  # stays None when a stop abandons the step
-            if master:
-                try:
-                    batch = pipe.get_batch(step)
-                except pipeline.Stopped:  # Ctrl-C while waiting for rollouts
-                    batch = None
+            batch = rank0_call(next_batch)  # the other ranks poll meanwhile
             if master and batch is not None:
                 m = dict(batch.metrics)
                 groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
@@ -1026,7 +1206,8 @@ def main(args: Args) -> None:
                     )
             dist.broadcast_object_list(payload)
             if payload[0] is None:  # every rank: checkpoint the last completed step, stop
-                save()
+                stopped = True
+                save(stopping=True)
                 print(
                     f"[rank {rank}] stopped at step {step}; resume with --resume {run_dir}",
                     flush=True,
@@ -1044,19 +1225,32 @@ def main(args: Args) -> None:
             if len(collated["rewards"]):  # every group zero-variance: nothing to learn this step
                 m_train = train_step(policy, optimizer, collated, args, device)
             step += 1
-            # ---- 3. in-flight weight update: full weights to the sampler, version = step
+            # ---- 3. in-flight weight update: full weights to the sampler, version = step; at an
+            # eval step a snapshot of them goes to the eval engine first (never waited for, unless
+            # max_evals_pending evals are still running: evals slower than eval_every steps)
             t2 = time.perf_counter()
-            push_weights(step)
+            tag = {"step": step}  # the eval's; its clock is this step's, below
+            evaluating = is_eval_step(step) and await_evals(
+                lambda pending: len(pending) < pipe.max_evals_pending,
+                "room in the eval queue (evals are slower than --eval-every steps)",
+                count=False,
+            )
+            t3 = time.perf_counter()
+            snapshot = None  # every rank or none: under NCCL, writing it is a collective
+            if evaluating:
+                snapshot = functools.partial(submit_eval, tag=tag) if master else lambda d: None
+            push_weights(step, snapshot)
             if master:
                 m.update(
                     m_train,
                     **{
                         "train/lr": lr,
                         "time/update_s": t2 - t1,
-                        "time/publish_s": time.perf_counter() - t2,
+                        "time/eval_wait_s": t3 - t2,
+                        "time/publish_s": time.perf_counter() - t3,
                     },
                 )
-            # ---- 4. compute clock, held-out eval, sigmoid fit, log, checkpoint
+            # ---- 4. compute clock (the eval engine's devices count: it runs meanwhile), log, checkpoint
             dt = time.perf_counter() - t0
             if master:
                 clock["gpu_hours"] += dt * devices / 3600
@@ -1066,27 +1260,26 @@ def main(args: Args) -> None:
                     2 * n_params * m["gen/tokens"] + 6 * n_params * m_train["train/tokens"]
                 )
                 m["time/step_s"] = dt
-            if step % args.eval_every == 0 or step == args.steps:
-                e = evaluate()
-                if master and "eval/pass_rate" in e:
-                    clock["gpu_hours"] += (
-                        e["time/eval_s"] * devices / 3600
-                    )  # eval compute counts (PAPER.md 6.1)
-                    history.append({"step": step, "gpu_hours": clock["gpu_hours"], **e})
-                    m.update(e, **curve_fit(history, args.steps))
+                m["eval/pending"] = len(pipe.evals_pending())
+                tag["clock"] = dict(clock)
             log(m if master else {})
+            if master:
+                log_evals()  # the evals finished meanwhile, with their live fit
             stop_now = (
                 all_reduce(torch.tensor([float(stop["requested"])]), dist.ReduceOp.MAX).item() > 0
             )
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:
-                save()
+                save(stopping=stop_now)
             if stop_now:
+                stopped = True
                 print(
                     f"[rank {rank}] stopped at step {step}; resume with --resume {run_dir}",
                     flush=True,
                 )
                 break
         # ---- the run's curve, fit on its first half (§5), and a Hugging Face export vLLM and transformers load
+        if step == args.steps and not stopped:  # a resumed finished run: its evals
+            await_evals(lambda pending: not pending, "the last evals")
         if master and step == args.steps:
             print(json.dumps(final_fit(run_dir, history)), flush=True)
         sd = get_model_state_dict(

@@ -3,8 +3,11 @@ sampler dtype before leaving its device, it writes exactly what the old export (
 dict gathered to the CPU, then cast) wrote: bit for bit in float32 and in bfloat16 (a cast is
 elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks, for a tied head
 (saved once) and an untied one, with a layer that 2 ranks shard unevenly. vLLM's own check of the
-NCCL weight source (metadata against iteration) passes too."""
+NCCL weight source (metadata against iteration) passes too. truncate_log on --resume keeps the
+lines of steps up to the checkpoint, and of the evals only those in the checkpoint's history (issue
+10: evals finish after their step, so one logged after the checkpoint can carry an earlier step)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import checkpoint
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,3 +51,34 @@ def test_export_equals_the_old_full_gather_then_cast(tmp_path, nproc):
                 assert torch.equal(t, old[f"torch.{dtype}"][name]), name
                 assert torch.equal(t, start[name].to(t.dtype)), name  # the saved model, cast
         assert new["model.layers.0.mlp.up_proj.weight"].shape[0] == 75  # odd: uneven over 2 ranks
+
+
+def test_truncate_log_keeps_the_steps_and_the_evals_of_the_checkpoint(tmp_path):
+    """A run checkpointed at step 3 with the evals of steps 0 and 2 in its history; the eval of
+    step 3 was logged after the checkpoint, then the run went on to step 4 and was killed
+    mid-line."""
+    metrics = [
+        {"step": 0, "eval/version": 0, "eval/pass_rate": 0.1},
+        {"step": 1, "train/reward": 0.2},
+        {"step": 2, "train/reward": 0.3},
+        {"step": 2, "eval/version": 2, "eval/pass_rate": 0.4},
+        {"step": 3, "train/reward": 0.5},
+        {"step": 3, "eval/version": 3, "eval/pass_rate": 0.6},
+        {"step": 4, "train/reward": 0.7},
+    ]
+    samples = [
+        {"step": 2, "split": "train"},
+        {"step": 2, "split": "eval"},
+        {"step": 3, "split": "eval"},
+        {"step": 4, "split": "train"},
+    ]
+    for name, lines in (("metrics.jsonl", metrics), ("samples.jsonl", samples)):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 5, "tra')
+        checkpoint.truncate_log(str(path), 3, evals={0, 2})
+    kept = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+    assert kept("metrics.jsonl") == metrics[:5]  # step 3's eval (not in the history) reruns
+    assert kept("samples.jsonl") == samples[:2]
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(x) + "\n" for x in metrics))
+    checkpoint.truncate_log(str(tmp_path / "old.jsonl"), 3)  # evals=None: by step only
+    assert kept("old.jsonl") == metrics[:6]

