@@ -141,7 +141,7 @@ def reason_fractions(groups) -> dict[str, float]:
 
 
 def eval_metrics(records: list[dict], greedy: list[dict] = ()) -> dict[str, float]:
-    """The eval's metrics from its records (Pipeline.evaluate's: reward, tokens, truncated,
+    """The eval's metrics from its records (Pipeline._run_eval's: reward, tokens, truncated,
     interrupted, version, task), and `greedy`, records of the greedy samples (reward, task; none:
     no greedy metric): eval/pass_rate (mean reward: the paper's metric), eval/mean_len (tokens),
     eval/truncation_rate, eval/interrupt_rate, eval/version, eval/greedy_pass_rate; and when the

@@ -145,10 +145,13 @@ def rank0_call(fn, share: bool = False):
     return box[0][1] if share else out.get("value")
 
 
-def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> placement.Plan:
+def plan_placement(
+    args: Args, path: str, world: int, gen_dtype, P: int, tasks: int = 1
+) -> placement.Plan:
     """Rank 0 places the trainer ranks and vLLM on its node's GPUs and estimates their memory
-    (placement.py) and prints the plan; every rank gets it, and on a placement that cannot fit or
-    overlaps trainer GPUs unasked every rank exits with the command to run instead."""
+    (placement.py) and prints the plan (tasks: held-out splits of eval_size prompts each); every
+    rank gets it, and on a placement that cannot fit or overlaps trainer GPUs unasked every rank
+    exits with the command to run instead."""
     plan = [None]
     if dist.get_rank() == 0:
         cuda = torch.cuda.is_available()
@@ -178,7 +181,7 @@ def plan_placement(args: Args, path: str, world: int, gen_dtype, P: int) -> plac
             max_inflight=2 * P,  # the Pipeline's max_inflight below
             kv_cache_bytes=int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30),
             eval_gpus=args.eval_gpus,
-            eval_seqs=args.eval_size * (args.eval_n + 1),  # + one greedy sample per prompt
+            eval_seqs=tasks * args.eval_size * (args.eval_n + 1),  # + one greedy per prompt
             argv=sys.argv[1:],
         )
         print(placement.describe(plan[0]), flush=True)
@@ -822,7 +825,8 @@ def main(args: Args) -> None:
     else:
         gen_dtype = getattr(torch, args.gen_dtype)
     P = round(args.prompts_per_step * args.batch_scale)  # P: prompt groups per batch
-    plan = plan_placement(args, path, world, gen_dtype, P)  # refuses before the model loads
+    tasks = len({p.task for p in prompts}) if prompts else 1  # each holds out eval_size prompts
+    plan = plan_placement(args, path, world, gen_dtype, P, tasks)  # refuses before the model loads
     lm = load_model(args, path)
     run_dir, args, meta = open_run_dir(args, world, master)
     pad_id = (
@@ -1105,6 +1109,7 @@ def main(args: Args) -> None:
                     pipe.wait_evals(len(pipe.evals_pending()) - 1, timeout=HEARTBEAT_S)
                     log_evals()
             except pipeline.Stopped:
+                log_evals()  # those that finished before the stop are kept
                 return False
             finally:
                 waited = time.perf_counter() - t0
@@ -1136,6 +1141,8 @@ def main(args: Args) -> None:
                     f"warning: the eval(s) of step(s) {lost} were still running: abandoned{again}",
                     flush=True,
                 )
+        if master:  # evals finished since the last step's log go in the history saved
+            log_evals()
         run_state = {
             "version": step,
             "clock": clock,
@@ -1278,9 +1285,10 @@ def main(args: Args) -> None:
                 )
                 break
         # ---- the run's curve, fit on its first half (§5), and a Hugging Face export vLLM and transformers load
-        if step == args.steps and not stopped:  # a resumed finished run: its evals
-            await_evals(lambda pending: not pending, "the last evals")
-        if master and step == args.steps:
+        # (a resumed finished run waits for its evals too); a stop meanwhile leaves the fit to --resume
+        done = step == args.steps and not stopped
+        done = done and await_evals(lambda pending: not pending, "the last evals")
+        if master and done:
             print(json.dumps(final_fit(run_dir, history)), flush=True)
         sd = get_model_state_dict(
             policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

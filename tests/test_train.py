@@ -807,7 +807,7 @@ def test_two_task_run_logs_each_tasks_eval_and_a_fit_per_task(tiny_model, tmp_pa
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         tasks = {r["task"] for r in map(json.loads, f) if r["split"] == "eval"}
     assert tasks == {"arith-hard", "arith"}  # the first --log-samples records of each task
-    assert re.search(r"eval \d\.\d{3} \(arith-hard \d\.\d{3}, arith \d\.\d{3}\)", out.stdout)
+    assert re.search(r"\| pass \d\.\d{3} \(arith-hard \d\.\d{3}, arith \d\.\d{3}\)", out.stdout)
     with open(os.path.join(run_dir, "fit.json")) as f:
         fits = json.load(f)["tasks"]
     assert list(fits) == ["arith-hard", "arith"]
