@@ -21,36 +21,24 @@ half the compute, dashed beyond) and its whole-run A (dotted). Exits 1 when a se
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # repo root, not bench/ (bench/fit.py would shadow fit.py)
 import fit  # noqa: E402
+from bench import recipes  # noqa: E402
 from fit_cli import load_metrics  # noqa: E402
 
 BARS = dict(rise=0.30, A_width=0.10, tail_mae=0.03, dA=fit.A_CLEAR)  # issue 12's acceptance
 
 
 def train(run_dir: str, seed: int, extra: list[str], timeout: float) -> float:
-    """One `python train.py --seed seed` run into run_dir; returns its wall seconds. Raises
-    RuntimeError naming the run and its log when train.py fails or runs past `timeout` s."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--run-dir", run_dir]
-    cmd += ["--seed", str(seed), *extra]
-    log = run_dir + ".log"
-    print(f"train: {' '.join(cmd[1:])}  (log: {log})", flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"{run_dir}: train.py ran past {timeout:g} s; see {log}") from e
-    if rc != 0:
-        raise RuntimeError(f"{run_dir}: train.py exited with {rc}; see {log}")
-    return time.perf_counter() - t0
+    """`python train.py --seed seed` (with --recipe scalerl, the default) into run_dir, as
+    bench/recipes.py runs it; returns its wall seconds. Raises RuntimeError naming the run and its
+    log when train.py fails or runs past `timeout` s."""
+    return recipes.train(run_dir, "scalerl", seed, extra, timeout)
 
 
 def check(run_dir: str, n_boot: int) -> dict:
