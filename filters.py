@@ -30,14 +30,14 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-ZERO_STD = 1e-6  # a group std below this is float residue, the same guard as loss.group_advantages
+from loss import STD_FLOOR  # one zero-variance guard for the filter and the advantages
 
 
 def zero_variance_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """(S,) bool: True where the sample's group has non-zero reward variance, so it enters the loss (§3.2, Fig 6a).
 
     rewards: (S,) float; group_ids: (S,) int, any values, groups need not be contiguous. A group's population std
-    (computed in float64) below ZERO_STD counts as zero. Raises ValueError on mismatched or non-1-D shapes."""
+    (computed in float64) below loss.STD_FLOOR counts as zero. Raises ValueError on mismatched or non-1-D shapes."""
     rewards, group_ids = torch.as_tensor(rewards), torch.as_tensor(group_ids)
     if rewards.dim() != 1 or rewards.shape != group_ids.shape:
         raise ValueError(
@@ -52,7 +52,7 @@ def zero_variance_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     var = (
         torch.zeros_like(count).index_add_(0, inv, (r - mean[inv]) ** 2) / count
     )  # (P,) population variance
-    return (var.sqrt() >= ZERO_STD)[inv]
+    return (var.sqrt() >= STD_FLOOR)[inv]
 
 
 def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:

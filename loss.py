@@ -21,9 +21,9 @@ Where this departs from the paper, and why:
 
 import torch
 
-STD_FLOOR = (
-    1e-6  # a std below this is float residue of a zero-variance group, not signal (DESIGN.md)
-)
+# a group std below this is float residue of a zero-variance group, not signal (DESIGN.md); the
+# zero-variance filter (filters.py) uses the same floor
+STD_FLOOR = 1e-6
 
 
 def _check(ok, msg, exc=ValueError):
