@@ -938,6 +938,15 @@ def main(args: Args) -> None:
         gen_timeout = args.gen_timeout or pipeline.group_timeout(
             args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
         )
+    evals_pending = pipeline.EVALS_PENDING
+    if not cuda:  # the CPU eval engine (nice 19) only gets the cycles the trainer leaves, so evals
+        # fall behind; rather than stall training they queue, each a snapshot of hard links to one
+        # published version, up to 1 GiB of them (the tiny model: every eval of the run); the run's
+        # end waits for them (issue 10)
+        evals_pending = max(
+            evals_pending,
+            min(args.steps // args.eval_every + 2, 2**30 // (n_params * gen_dtype.itemsize)),
+        )
 
     # vLLM's start, on rank 0, while the other ranks poll (rank0_call)
     def start_pipeline():  # and its eval engine, before the first step: no Ctrl-C meets it starting
@@ -959,6 +968,7 @@ def main(args: Args) -> None:
             stop=lambda: stop["requested"],
             evaluator=start_dir or path,
             eval_sampler_kwargs=eval_engine,
+            max_evals_pending=evals_pending,
         )
         try:
             pipe.wait_eval_engine()
