@@ -938,6 +938,7 @@ def main(args: Args) -> None:
         gen_timeout = args.gen_timeout or pipeline.group_timeout(
             args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
         )
+    weights_bytes = n_params * gen_dtype.itemsize  # one weight version as the sampler loads it
     evals_pending = pipeline.EVALS_PENDING
     if not cuda:  # the CPU eval engine (nice 19) only gets the cycles the trainer leaves, so evals
         # fall behind; rather than stall training they queue, each a snapshot of hard links to one
@@ -945,7 +946,7 @@ def main(args: Args) -> None:
         # end waits for them (issue 10)
         evals_pending = max(
             evals_pending,
-            min(args.steps // args.eval_every + 2, 2**30 // (n_params * gen_dtype.itemsize)),
+            min(args.steps // args.eval_every + 2, 2**30 // weights_bytes),
         )
 
     # vLLM's start, on rank 0, while the other ranks poll (rank0_call)
@@ -963,7 +964,7 @@ def main(args: Args) -> None:
             sampler_kwargs=sampler_kwargs,
             gen_timeout=gen_timeout,
             version=step,
-            weights_bytes=n_params * gen_dtype.itemsize,
+            weights_bytes=weights_bytes,
             spill_dir=run_dir,
             stop=lambda: stop["requested"],
             evaluator=start_dir or path,
