@@ -1,20 +1,24 @@
-"""Data filters of ScaleRL: zero-variance filtering, the No-Positive-Resampling prompt pool, DAPO's length penalty.
+"""Data filters of ScaleRL: zero-variance filtering, the No-Positive-Resampling prompt pool, DAPO's
+length penalty.
 
-Paper: §3.2 (Fig 6a zero-variance filtering, Fig 6b adaptive prompt filtering = No-Positive-Resampling from
-Polaris), A.10 Eq. 9 (length penalty, the `loo-lp` ablation); PAPER.md §4 and §7.3.
-Exercised by `python -m pytest tests/test_filters.py` and by every `python train.py`.
+Paper: §3.2 (Fig 6a zero-variance filtering, Fig 6b adaptive prompt filtering =
+No-Positive-Resampling from Polaris), A.10 Eq. 9 (length penalty, the `loo-lp` ablation);
+PAPER.md §4 and §7.3. Exercised by `python -m pytest tests/test_filters.py` and by every
+`python train.py`.
 
 Where this departs from the paper, and why:
-1. The paper does not say how a prompt's pass rate is aggregated. Here a prompt retires when the group just scored
-   reaches the threshold (the latest observation): "once easy, stays easy" is Polaris's premise, and a cumulative
-   mean would keep a prompt that was hard early on. Cumulative counts are still kept for logging.
-2. Retirement takes effect immediately for later `next()` calls, not at the epoch boundary. Each prompt is drawn
-   once per epoch, so the two only differ for groups still in flight across a boundary (PipelineRL).
-3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so that the
-   reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
-4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first after the
-   resume, one whose group went stale (PipelineRL) is handed back (`release`) and served next. Long prompts are
-   the ones in flight or late, so skipping them would bias training towards short ones.
+1. The paper does not say how a prompt's pass rate is aggregated. Here a prompt retires when the
+   group just scored reaches the threshold (the latest observation): "once easy, stays easy" is
+   Polaris's premise, and a cumulative mean would keep a prompt that was hard early on.
+2. Retirement takes effect immediately for later `next()` calls, not at the epoch boundary. Each
+   prompt is drawn once per epoch, so the two only differ for groups still in flight across a
+   boundary (PipelineRL).
+3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so
+   that the reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
+4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first
+   after the resume, one whose group went stale (PipelineRL) is handed back (`release`) and served
+   next. Long prompts are the ones in flight or late, so skipping them would bias training towards
+   short ones.
 5. Several tasks (the paper's math+code runs, which do not say how they mix): each group's task is
    drawn by a task weight, and each task keeps its own pool (`TaskPools`), so retirement and epochs
    are per task and a task that is fully retired stops being drawn. A prompt handed back, or in
@@ -34,33 +38,32 @@ from loss import STD_FLOOR  # one zero-variance guard for the filter and the adv
 
 
 def zero_variance_mask(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """(S,) bool: True where the sample's group has non-zero reward variance, so it enters the loss (§3.2, Fig 6a).
+    """(S,) bool: True where the sample's group has non-zero reward variance, so it enters the loss
+    (§3.2, Fig 6a).
 
-    rewards: (S,) float; group_ids: (S,) int, any values, groups need not be contiguous. A group's population std
-    (computed in float64) below loss.STD_FLOOR counts as zero. Raises ValueError on mismatched or non-1-D shapes."""
-    rewards, group_ids = torch.as_tensor(rewards), torch.as_tensor(group_ids)
+    rewards: (S,) float; group_ids: (S,) int, any values, groups need not be contiguous. A group's
+    population std (computed in float64) below loss.STD_FLOOR counts as zero. Raises ValueError on
+    mismatched or non-1-D shapes."""
+    rewards = torch.as_tensor(rewards)
+    group_ids = torch.as_tensor(group_ids)
     if rewards.dim() != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(
-            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (S,)"
-        )
+        shapes = f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)}"
+        raise ValueError(f"{shapes} must both be (S,)")
     uniq, inv = torch.unique(group_ids, return_inverse=True)  # inv: (S,) group index in 0..P-1
     r = rewards.to(torch.float64)
-    count = torch.zeros(len(uniq), dtype=torch.float64).index_add_(
-        0, inv, torch.ones_like(r)
-    )  # (P,) samples
-    mean = torch.zeros_like(count).index_add_(0, inv, r) / count  # (P,)
-    var = (
-        torch.zeros_like(count).index_add_(0, inv, (r - mean[inv]) ** 2) / count
-    )  # (P,) population variance
+    zeros = torch.zeros(len(uniq), dtype=torch.float64)  # (P,)
+    count = zeros.index_add(0, inv, torch.ones_like(r))  # (P,) samples per group
+    mean = zeros.index_add(0, inv, r) / count  # (P,)
+    var = zeros.index_add(0, inv, (r - mean[inv]) ** 2) / count  # (P,) population variance
     return (var.sqrt() >= STD_FLOOR)[inv]
 
 
 def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
     """(S,) float32 DAPO overlong penalty, A.10 Eq. 9: clip((L_max - |y|) / L_cache - 1, -1, 0).
 
-    lengths: (S,) response lengths |y| in tokens. 0 up to max_len - cache_len tokens, then a linear ramp to -1 at
-    max_len, -1 beyond (paper: L_max 14k, L_cache 2k). The caller adds it to the reward of correct traces only
-    (A.10). Raises ValueError unless 0 < cache_len <= max_len."""
+    lengths: (S,) response lengths |y| in tokens. 0 up to max_len - cache_len tokens, then a linear
+    ramp to -1 at max_len, -1 beyond (paper: L_max 14k, L_cache 2k). The caller adds it to the
+    reward of correct traces only (A.10). Raises ValueError unless 0 < cache_len <= max_len."""
     if not 0 < cache_len <= max_len:
         raise ValueError(
             f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
@@ -70,14 +73,16 @@ def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch
 
 
 class PromptPool:
-    """Which prompt to sample next: No-Positive-Resampling (§3.2, Fig 6b; Polaris) or uniform epochs.
+    """Which prompt to sample next: No-Positive-Resampling (§3.2, Fig 6b; Polaris) or uniform
+    epochs.
 
-    Each epoch visits every active prompt once in a fresh order, a permutation seeded by (seed, epoch), so a pool
-    restored from `state_dict()` continues the same sequence. `policy="no_positive"`: `record` retires a prompt for
-    good when its group's pass rate n_correct / n_total >= threshold, compared exactly (9 of 10 retires at 0.9,
-    15 of 16 retires, 0 of 16 stays); `threshold` may be a float (read as its shortest decimal, so 0.9 is 9/10), a
-    str ("9/10") or a Fraction. `policy="uniform"` records the history but never retires (the LOO baseline).
-    Thread-safe: PipelineRL's producer calls `next()` while the trainer calls `record()`.
+    Each epoch visits every active prompt once in a fresh order, a permutation seeded by (seed,
+    epoch), so a pool restored from `state_dict()` continues the same sequence.
+    `policy="no_positive"`: `record` retires a prompt for good when its group's pass rate
+    n_correct / n_total >= threshold, compared exactly (9 of 10 retires at 0.9, 15 of 16 retires,
+    0 of 16 stays); `threshold` may be a float (read as its shortest decimal, so 0.9 is 9/10), a
+    str ("9/10") or a Fraction. `policy="uniform"` never retires (the LOO baseline). Thread-safe:
+    PipelineRL's producer calls `next()` while the trainer calls `record()`.
 
     Prompts drawn by `next()` and not yet `record`ed (in flight in the pipeline, or queued) are
     kept in draw order, and so are prompts handed back by `release()`; `state_dict()` saves them
@@ -91,28 +96,32 @@ class PromptPool:
             raise ValueError(f"need n_prompts >= 1 and seed >= 0, got {n_prompts}, {seed}")
         if policy not in ("no_positive", "uniform"):
             raise ValueError(f"policy must be 'no_positive' or 'uniform', got {policy!r}")
-        # Fraction(0.9) is 0.9000000000000000222..., which 9/10 would not reach; the decimal string is exact.
+        # Fraction(0.9) is 0.9000000000000000222..., which 9/10 would not reach; the decimal
+        # string is exact.
         self.threshold = Fraction(str(threshold))
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-        self.n_prompts, self.policy, self.seed = n_prompts, policy, seed
+        self.n_prompts = n_prompts
+        self.policy = policy
+        self.seed = seed
         self._lock = threading.Lock()
-        self._epoch, self._pos = 0, 0
-        self._retired: set[int] = set()
-        # drawn by next(), not yet recorded nor released (a multiset, in draw order); and the prompts to
-        # serve again before the epoch's order goes on (released, or unfinished in a restored state)
-        self._drawn: list[int] = []
-        self._again: collections.deque[int] = collections.deque()
-        self._correct = [0] * n_prompts  # cumulative correct rollouts per prompt
-        self._total = [0] * n_prompts  # cumulative rollouts per prompt
+        self._epoch = 0
+        self._pos = 0  # next position in the epoch's order
         self._order = self._permutation(0)
+        self._retired: set[int] = set()
+        # drawn by next(), not yet recorded nor released (a multiset, in draw order)
+        self._drawn: list[int] = []
+        # to serve again before the epoch's order goes on (released, or unfinished in a restored
+        # state)
+        self._again: collections.deque[int] = collections.deque()
 
     def _permutation(self, epoch: int) -> list[int]:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_prompts).tolist()
 
     @property
     def epoch(self) -> int:
-        """Which pass over the prompts `next()` is in (0 for the first); it advances when a pass runs out."""
+        """Which pass over the prompts `next()` is in (0 for the first); it advances when a pass
+        runs out."""
         return self._epoch
 
     @property
@@ -138,7 +147,8 @@ class PromptPool:
                     return idx
             while True:
                 if self._pos == self.n_prompts:  # epoch boundary: reshuffle
-                    self._epoch, self._pos = self._epoch + 1, 0
+                    self._epoch += 1
+                    self._pos = 0
                     self._order = self._permutation(self._epoch)
                 idx = self._order[self._pos]
                 self._pos += 1
@@ -160,17 +170,16 @@ class PromptPool:
             self._again.append(idx)
 
     def record(self, idx: int, n_correct: int, n_total: int) -> None:
-        """Record a scored group of prompt `idx`: n_correct of n_total rollouts correct. With "no_positive", retire
-        the prompt when n_correct / n_total >= threshold (exact integers). The group itself still trains this step:
-        the caller already holds it. One draw of `idx`, if any is unfinished, is finished (a
-        prompt may also be recorded without a draw). Integer-like arguments (numpy, 0-d torch) are
-        taken as ints; a float raises TypeError. Raises ValueError on an unknown index or impossible
-        counts."""
-        idx, n_correct, n_total = (
-            operator.index(idx),
-            operator.index(n_correct),
-            operator.index(n_total),
-        )  # ints
+        """Record a scored group of prompt `idx`: n_correct of n_total rollouts correct. With
+        "no_positive", retire the prompt when n_correct / n_total >= threshold (exact integers). The
+        group itself still trains this step: the caller already holds it. One draw of `idx`, if any
+        is unfinished, is finished (a prompt may also be recorded without a draw). Integer-like
+        arguments (numpy, 0-d torch) are taken as ints; a float raises TypeError. Raises ValueError
+        on an unknown index or impossible counts."""
+        # ints, or TypeError: a float count would defeat the exact comparison
+        idx = operator.index(idx)
+        n_correct = operator.index(n_correct)
+        n_total = operator.index(n_total)
         if not (0 <= idx < self.n_prompts and 0 <= n_correct <= n_total and n_total > 0):
             raise ValueError(
                 f"bad record: idx={idx} (n_prompts={self.n_prompts}), {n_correct}/{n_total} correct"
@@ -178,31 +187,16 @@ class PromptPool:
         with self._lock:
             if idx in self._drawn:
                 self._drawn.remove(idx)  # its first draw: equal indices are interchangeable
-            self._correct[idx] += n_correct
-            self._total[idx] += n_total
+            # n_correct / n_total >= threshold, in integers (§3.2)
             t = self.threshold
-            if (
-                self.policy == "no_positive" and n_correct * t.denominator >= t.numerator * n_total
-            ):  # §3.2
+            easy = n_correct * t.denominator >= t.numerator * n_total
+            if self.policy == "no_positive" and easy:
                 self._retired.add(idx)
 
-    def stats(self) -> dict[str, float]:
-        """Counts for the logger: active / retired prompts, epoch, prompts seen, and the cumulative pass rate over
-        all recorded rollouts."""
-        with self._lock:
-            total = sum(self._total)
-            return {
-                "filter/active": self.num_active,
-                "filter/retired": len(self._retired),
-                "filter/epoch": self._epoch,
-                "filter/seen": sum(t > 0 for t in self._total),
-                "filter/pass_rate": sum(self._correct) / total if total else 0.0,
-            }
-
     def state_dict(self) -> dict:
-        """JSON-serialisable state: position in the epoch's order, retired prompts, per-prompt
-        history, and the unfinished prompts (handed back, then drawn and not yet recorded), which a
-        restored pool serves first."""
+        """JSON-serialisable state: position in the epoch's order, retired prompts, and the
+        unfinished prompts (handed back, then drawn and not yet recorded), which a restored pool
+        serves first."""
         with self._lock:
             return {
                 "n_prompts": self.n_prompts,
@@ -210,27 +204,27 @@ class PromptPool:
                 "epoch": self._epoch,
                 "pos": self._pos,
                 "retired": sorted(self._retired),
-                "correct": list(self._correct),
-                "total": list(self._total),
                 "unfinished": [*self._again, *self._drawn],
             }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output; threshold and policy stay as constructed. The saved
         unfinished prompts are served first, in their order (a state saved before they were kept
-        has none). Raises ValueError when the state belongs to a different pool (n_prompts or seed
-        differ), since the sequence could not continue."""
+        has none; the per-prompt "correct" and "total" counts of older states are ignored). Raises
+        ValueError when the state belongs to a different pool (n_prompts or seed differ), since the
+        sequence could not continue."""
         if (state["n_prompts"], state["seed"]) != (self.n_prompts, self.seed):
             raise ValueError(
                 f"state is for n_prompts={state['n_prompts']}, seed={state['seed']}; this pool has "
                 f"n_prompts={self.n_prompts}, seed={self.seed}"
             )
         with self._lock:
-            self._epoch, self._pos = state["epoch"], state["pos"]
+            self._epoch = state["epoch"]
+            self._pos = state["pos"]
             self._order = self._permutation(self._epoch)
             self._retired = set(state["retired"])
-            self._correct, self._total = list(state["correct"]), list(state["total"])
-            self._again, self._drawn = collections.deque(state.get("unfinished", [])), []
+            self._again = collections.deque(state.get("unfinished", []))
+            self._drawn = []
 
 
 def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> dict[str, float]:
@@ -242,15 +236,12 @@ def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> d
     names = list(dict.fromkeys(tasks))
     if weights is None:
         return {t: float(n) for t, n in collections.Counter(tasks).items()}
-    missing, unknown = (
-        [t for t in names if t not in weights],
-        [t for t in weights if t not in names],
-    )
-    if missing or unknown:
-        what = (
-            f"no weight for task {missing[0]}" if missing else f"no task {unknown[0]} in the data"
-        )
-        raise ValueError(f"{what} (its tasks: {', '.join(names)})")
+    missing = [t for t in names if t not in weights]
+    if missing:
+        raise ValueError(f"no weight for task {missing[0]} (its tasks: {', '.join(names)})")
+    unknown = [t for t in weights if t not in names]
+    if unknown:
+        raise ValueError(f"no task {unknown[0]} in the data (its tasks: {', '.join(names)})")
     if not all(math.isfinite(w) and w >= 0 for w in weights.values()):
         raise ValueError("weights must be finite and >= 0")
     if not any(weights[t] > 0 for t in names):
@@ -260,23 +251,27 @@ def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> d
 
 class TaskPools:
     """Sampling by task (note 5): one PromptPool per task, with `threshold`, `policy` and `seed`;
-    `next()` draws task t with probability w_t / sum(w) over the tasks with weight > 0 and a prompt
-    not retired, then that task's pool draws the prompt. tasks: (N,) the task of each prompt; indices
-    in and out are positions in it. weights: see task_weights. Draw k uses the k-th double of
-    numpy's generator seeded by `seed`, so a pool restored from `state_dict()` continues the same
-    task sequence. The same interface as PromptPool where the pipeline and train.py use it (next,
-    release, record, num_active, n_prompts, state_dict, load_state_dict); thread-safe."""
+    `next()` draws task t with probability w_t / sum(w) over the tasks with weight > 0 and a
+    prompt not retired, then that task's pool draws the prompt. tasks: (N,) the task of each
+    prompt; indices in and out are positions in it. weights: see task_weights. Draw k uses the
+    k-th double of numpy's generator seeded by `seed`, so a pool restored from `state_dict()`
+    continues the same task sequence. The same interface as PromptPool where the pipeline and
+    train.py use it (next, release, record, num_active, n_prompts, state_dict, load_state_dict);
+    thread-safe."""
 
     def __init__(self, tasks, weights=None, threshold=0.9, policy="no_positive", seed: int = 0):
         self.weights = task_weights(list(tasks), weights)
         self.members = {t: [i for i, x in enumerate(tasks) if x == t] for t in self.weights}
+        # global index i -> (its task, its position j in that task's pool)
         self._where = {i: (t, j) for t, ids in self.members.items() for j, i in enumerate(ids)}
         self.pools = {
             t: PromptPool(len(ids), threshold, policy, seed) for t, ids in self.members.items()
         }
-        self.n_prompts, self.seed = len(tasks), seed
+        self.n_prompts = len(tasks)
+        self.seed = seed
         self._lock = threading.Lock()  # one draw (task, then prompt) is atomic against record()
-        self._draws, self._rng = 0, np.random.default_rng(seed)
+        self._draws = 0  # doubles taken from the task stream, for state_dict
+        self._rng = np.random.default_rng(seed)
 
     @property
     def num_active(self) -> int:
@@ -288,7 +283,7 @@ class TaskPools:
         next prompt. Raises RuntimeError when every task with weight > 0 is fully retired."""
         with self._lock:
             live = [t for t, w in self.weights.items() if w > 0 and self.pools[t].num_active]
-            u = self._rng.random()
+            u = self._rng.random()  # taken even when it raises below, as state_dict counts it
             self._draws += 1
             if not live:
                 raise RuntimeError(
@@ -298,7 +293,8 @@ class TaskPools:
             cum = np.cumsum([self.weights[t] for t in live])
             # u < 1, but u * total may round up to total: clamp to the last task
             k = min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(live) - 1)
-            return self.members[live[k]][self.pools[live[k]].next()]
+            task = live[k]
+            return self.members[task][self.pools[task].next()]
 
     def _local(self, idx) -> tuple[str, int]:
         idx = operator.index(idx)
@@ -332,11 +328,8 @@ class TaskPools:
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` output. Raises ValueError when it belongs to other tasks, another
         seed or other task sizes (PromptPool.load_state_dict's check, per task)."""
-        if (state.get("n_prompts"), state.get("seed"), list(state.get("tasks", []))) != (
-            self.n_prompts,
-            self.seed,
-            list(self.pools),
-        ):
+        saved = (state.get("n_prompts"), state.get("seed"), list(state.get("tasks", [])))
+        if saved != (self.n_prompts, self.seed, list(self.pools)):
             raise ValueError(
                 f"state is for {state.get('n_prompts')} prompts of tasks "
                 f"{list(state.get('tasks', []))}, seed {state.get('seed')}; these pools have "
@@ -351,9 +344,9 @@ class TaskPools:
 
 
 def prompt_pool(tasks, weights=None, *, threshold=0.9, policy="no_positive", seed: int = 0):
-    """The pool for prompts of `tasks` ((N,) one task name each): a PromptPool when there is one task
-    (a single-task run draws exactly as before tasks existed), else TaskPools. Raises ValueError
-    as task_weights, and as PromptPool."""
+    """The pool for prompts of `tasks` ((N,) one task name each): a PromptPool when there is one
+    task (a single-task run draws exactly as before tasks existed), else TaskPools. Raises
+    ValueError as task_weights, and as PromptPool."""
     weights = task_weights(list(tasks), weights)
     if len(weights) == 1:
         return PromptPool(len(tasks), threshold=threshold, policy=policy, seed=seed)

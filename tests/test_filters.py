@@ -1,13 +1,16 @@
-"""Pins filters.py: which groups zero-variance filtering keeps (float residue counts as zero), the DAPO length
-penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer retirement at the threshold
-(9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires; 0/16 stays), epoch reshuffles that skip retired
-prompts, the error when all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
-prompts drawn but not recorded (in flight at a checkpoint, or released as stale) served again first, and thread
-safety of next()/record(). TaskPools (issue 16): each task drawn by its weight from the documented seeded stream,
-prompts within a task in that task's own epoch order, the single-task path identical to a PromptPool, retirement
-per task (a retired task stops being drawn; the error when none is left), weights checked against the data,
-state round-trips through JSON that continue the task sequence and serve each task's unfinished prompts first,
-and concurrent draws equal to sequential ones. Expected values are worked out by hand or with numpy in each test."""
+"""Pins filters.py: which groups zero-variance filtering keeps (float residue counts as zero), the
+DAPO length penalty at the paper's L_max = 14k / L_cache = 2k, and PromptPool: exact-integer
+retirement at the threshold (9/10 retires at 0.9 although Fraction(0.9) > 9/10; 15/16 retires;
+0/16 stays), the latest group deciding, epoch reshuffles that skip retired prompts, the error when
+all are retired, the uniform policy, JSON state round-trips that continue the same sequence,
+prompts drawn but not recorded (in flight at a checkpoint, or released as stale) served again
+first, and thread safety of next()/record(). TaskPools (issue 16): each task drawn by its weight
+from the documented seeded stream, prompts within a task in that task's own epoch order, the
+single-task path identical to a PromptPool, retirement per task (a retired task stops being drawn;
+the error when none is left), weights checked against the data, state round-trips through JSON
+that continue the task sequence and serve each task's unfinished prompts first, and concurrent
+draws equal to sequential ones. Expected values are worked out by hand or with numpy in each
+test."""
 
 import json
 import threading
@@ -29,7 +32,8 @@ from filters import (
 
 # ---------------------------------------------------------------- zero_variance_mask
 def test_zero_variance_mask_by_hand():
-    # groups 7 (all right), 3 (mixed), 9 (all wrong), 4 (single sample); ids interleaved and non-contiguous
+    # groups 7 (all right), 3 (mixed), 9 (all wrong), 4 (single sample); ids interleaved and
+    # non-contiguous
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
     group_ids = torch.tensor([7, 3, 7, 9, 3, 7, 9, 4])
     expected = [False, True, False, False, True, False, False, False]
@@ -38,11 +42,13 @@ def test_zero_variance_mask_by_hand():
 
 
 def test_zero_variance_mask_float_residue_and_threshold():
-    # eight rewards of 0.35 in float32: the group is constant, whatever residue a float32 mean would leave
+    # eight rewards of 0.35 in float32: the group is constant, whatever residue a float32 mean
+    # would leave
     assert not zero_variance_mask(
         torch.full((8,), 0.35, dtype=torch.float32), torch.zeros(8, dtype=torch.long)
     ).any()
-    # rewards {0, d}: population std = d / 2, so d = 1e-6 -> 5e-7 (zero), d = 3e-6 -> 1.5e-6 (non-zero)
+    # rewards {0, d}: population std = d / 2, so d = 1e-6 -> 5e-7 (zero), d = 3e-6 -> 1.5e-6
+    # (non-zero)
     ids = torch.tensor([0, 0, 1, 1])
     assert zero_variance_mask(
         torch.tensor([0.0, 1e-6, 0.0, 3e-6], dtype=torch.float64), ids
@@ -65,15 +71,8 @@ def test_zero_variance_mask_shapes():
 def test_length_penalty_paper_values():
     # A.10: L_max 14k, L_cache 2k -> 0 up to 12k, linear to -1 at 14k, -1 beyond
     lengths = torch.tensor([0, 12000, 12001, 13000, 13500, 14000, 20000])
-    expected = [
-        0.0,
-        0.0,
-        -1 / 2000,
-        -0.5,
-        -0.75,
-        -1.0,
-        -1.0,
-    ]  # (14000 - L) / 2000 - 1, clipped to [-1, 0]
+    # (14000 - L) / 2000 - 1, clipped to [-1, 0]
+    expected = [0.0, 0.0, -1 / 2000, -0.5, -0.75, -1.0, -1.0]
     out = length_penalty(lengths, max_len=14000, cache_len=2000)
     assert out.dtype == torch.float32 and out.shape == (7,)
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-7)
@@ -95,7 +94,8 @@ def test_epochs_are_permutations_seeded_by_seed_and_epoch():
     assert pool.epoch == 1
     pool.next()
     assert pool.epoch == 2
-    # the order contract: numpy's generator seeded by [seed, epoch] (so a restored pool regenerates it)
+    # the order contract: numpy's generator seeded by [seed, epoch] (so a restored pool
+    # regenerates it)
     assert first == np.random.default_rng([3, 0]).permutation(6).tolist()
     assert second == np.random.default_rng([3, 1]).permutation(6).tolist()
     assert draw(PromptPool(6, seed=3), 12) == first + second
@@ -105,12 +105,8 @@ def test_epochs_are_permutations_seeded_by_seed_and_epoch():
 @pytest.mark.parametrize(
     "threshold,n_correct,n_total,retired",
     [
-        (
-            0.9,
-            9,
-            10,
-            True,
-        ),  # exactly the threshold; Fraction(0.9) = 0.90000000000000002 would wrongly keep it
+        # exactly the threshold; Fraction(0.9) = 0.90000000000000002 would wrongly keep it
+        (0.9, 9, 10, True),
         (0.9, 15, 16, True),  # 0.9375
         (0.9, 14, 16, False),  # 0.875
         (0.9, 0, 16, False),
@@ -148,31 +144,25 @@ def test_all_retired_raises():
         pool.next()
 
 
-def test_uniform_never_retires_but_keeps_history():
+def test_uniform_never_retires():
     pool = PromptPool(3, policy="uniform")
     for i in range(3):
         pool.record(i, 16, 16)
     pool.record(0, 4, 16)
     assert pool.num_active == 3
     assert sorted(draw(pool, 3)) == [0, 1, 2]
-    stats = pool.stats()
-    assert stats["filter/retired"] == 0 and stats["filter/seen"] == 3
-    assert stats["filter/pass_rate"] == pytest.approx((16 * 3 + 4) / (16 * 4))
+    assert pool.state_dict()["retired"] == []
 
 
-def test_stats_counts():
+def test_the_latest_group_decides():
     pool = PromptPool(10)
     pool.record(1, 10, 10)
     pool.record(2, 3, 10)
     pool.record(2, 9, 10)  # the latest group decides: retired
     pool.record(5, 0, 10)
-    assert pool.stats() == {
-        "filter/active": 8,
-        "filter/retired": 2,
-        "filter/epoch": 0,
-        "filter/seen": 3,
-        "filter/pass_rate": 22 / 40,
-    }
+    pool.record(1, 0, 10)  # retired for good: a later hard group does not bring it back
+    assert pool.num_active == 8
+    assert pool.state_dict()["retired"] == [1, 2] and pool.epoch == 0
 
 
 def test_state_round_trip_continues_the_same_sequence():
@@ -192,7 +182,9 @@ def test_state_round_trip_continues_the_same_sequence():
     assert (b.epoch, b.num_active) == (1, 6)
     again = [i for i in unfinished if i != 3]  # served first, retired ones skipped
     assert draw(b, 30) == again + draw(a, 30 - len(again))
-    assert b.stats() == a.stats()
+    assert b.epoch == a.epoch and b.num_active == a.num_active
+    saved = ("epoch", "pos", "retired")
+    assert {k: b.state_dict()[k] for k in saved} == {k: a.state_dict()[k] for k in saved}
     with pytest.raises(ValueError, match="n_prompts"):
         PromptPool(8, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
@@ -200,8 +192,9 @@ def test_state_round_trip_continues_the_same_sequence():
 
 
 def test_resume_serves_the_prompts_in_flight_at_the_checkpoint_first():
-    # issue 14: the producer drew 6, the trainer recorded 2, then the checkpoint saved the state. The epoch's
-    # order is numpy's permutation seeded by [0, 0]: [4, 6, 2, 7, 3, 5, 9, 0, 8, 1] (printed once by hand).
+    # issue 14: the producer drew 6, the trainer recorded 2, then the checkpoint saved the state.
+    # The epoch's order is numpy's permutation seeded by [0, 0]: [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]
+    # (printed once by hand).
     a = PromptPool(10, policy="uniform", seed=0)
     assert draw(a, 6) == [4, 6, 2, 7, 3, 5]
     a.record(4, 1, 2)
@@ -213,8 +206,10 @@ def test_resume_serves_the_prompts_in_flight_at_the_checkpoint_first():
     # before the fix: [9, 0, 8, 1], and 2, 7, 3, 5 were never trained in this epoch
     assert draw(b, 8) == [2, 7, 3, 5, 9, 0, 8, 1]
     assert b.epoch == 0 and b.state_dict()["unfinished"] == [2, 7, 3, 5, 9, 0, 8, 1]
-    # a state from before unfinished prompts were saved still loads (none to serve again)
+    # a state from before unfinished prompts were saved still loads (none to serve again), and so
+    # does one with the per-prompt counts that states kept until issue 15 (ignored)
     old = {k: v for k, v in state.items() if k != "unfinished"}
+    old.update(correct=[0, 0, 0, 0, 1, 0, 0, 0, 0, 0], total=[0, 0, 0, 0, 2, 0, 2, 0, 0, 0])
     c = PromptPool(10, policy="uniform", seed=0)
     c.load_state_dict(old)
     assert draw(c, 4) == [9, 0, 8, 1]
@@ -225,9 +220,8 @@ def test_released_prompts_come_back_first_and_unfinished_never_grows_without_bou
     order = np.random.default_rng([2, 0]).permutation(5).tolist()
     p0, p1, p2 = draw(pool, 3)
     assert [p0, p1, p2] == order[:3]
-    pool.release(
-        p1
-    )  # the pipeline dropped its group as stale: served again before the order goes on
+    # the pipeline dropped p1's group as stale: served again before the order goes on
+    pool.release(p1)
     pool.record(p2, 1, 2)  # retired (1/2 >= 0.5)
     assert pool.state_dict()["unfinished"] == [p1, p0]  # handed back first, then drawn
     assert pool.next() == p1 and pool.next() == order[3]
@@ -240,16 +234,16 @@ def test_released_prompts_come_back_first_and_unfinished_never_grows_without_bou
     q.release(first[0])
     q.record(first[0], 2, 2)
     assert q.next() == 1 - first[0]
-    # a long run that records or releases every group it draws keeps unfinished = the groups in flight
+    # a long run that records or releases every group it draws keeps unfinished = the groups in
+    # flight
     r, inflight, pending = PromptPool(7, policy="uniform", seed=1), [], None
     for step in range(300):
         idx = r.next()
         assert pending is None or idx == pending  # a released prompt is the next one served
         inflight.append(idx)
         pending = None
-        if (
-            len(inflight) > 4
-        ):  # 4 groups in flight; the oldest finishes: trained, or dropped as stale
+        # 4 groups in flight; the oldest finishes: trained, or dropped as stale
+        if len(inflight) > 4:
             done = inflight.pop(0)
             if step % 5 == 0:
                 r.release(done)
@@ -279,15 +273,18 @@ def test_bad_arguments():
 
 
 def test_concurrent_next_and_record():
-    # 4 producer threads draw exactly 100 epochs of 100 prompts while the main thread records: every prompt must
-    # come out exactly 100 times (a lost or duplicated position breaks this; without the lock it fails ~9 runs in 10)
-    # and every record must count.
+    # 4 threads draw exactly 100 epochs of 100 prompts, each recording every prompt it draws: every
+    # prompt must come out exactly 100 times (a lost or duplicated position breaks this; without
+    # the lock it fails ~9 runs in 10) and every record must finish its draw.
     pool = PromptPool(100, policy="uniform", seed=5)
     drawn, errors, lock = [], [], threading.Lock()
 
     def producer():
+        local = []
         try:
-            local = [pool.next() for _ in range(2500)]
+            for _ in range(2500):
+                local.append(pool.next())
+                pool.record(local[-1], 1, 2)
         except Exception as e:  # surface in the test, not just on stderr
             errors.append(e)
             return
@@ -297,13 +294,11 @@ def test_concurrent_next_and_record():
     threads = [threading.Thread(target=producer) for _ in range(4)]
     for t in threads:
         t.start()
-    for i in range(10000):
-        pool.record(i % 100, 1, 2)
     for t in threads:
         t.join()
     assert errors == []
     assert Counter(drawn) == {i: 100 for i in range(100)}
-    assert pool.state_dict()["total"] == [200] * 100 and pool.state_dict()["correct"] == [100] * 100
+    assert pool.state_dict()["unfinished"] == []
 
 
 # ---------------------------------------------------------------- TaskPools (issue 16)
@@ -420,18 +415,20 @@ def test_task_pools_concurrent_draws_equal_sequential_ones():
     drawn, lock = [], threading.Lock()
 
     def producer():
-        local = [pools.next() for _ in range(1000)]
+        local = []
+        for _ in range(1000):
+            local.append(pools.next())
+            pools.record(local[-1], 1, 2)
         with lock:
             drawn.extend(local)
 
     threads = [threading.Thread(target=producer) for _ in range(4)]
     for t in threads:
         t.start()
-    for i in range(4000):
-        pools.record(i % 100, 1, 2)
     for t in threads:
         t.join()
-    # each draw is atomic (task, then prompt), so 4,000 concurrent draws are the first 4,000 in order
+    # each draw is atomic (task, then prompt), so 4,000 concurrent draws are the first 4,000 in
+    # order
     assert Counter(drawn) == Counter(draw(TaskPools(tasks, {"x": 1, "y": 1}, seed=5), 4000))
-    totals = [sum(s["total"]) for s in pools.state_dict()["tasks"].values()]
-    assert totals == [60 * 40 * 2, 40 * 40 * 2]  # every record counted in its task's pool
+    # every record finished its draw in its task's pool
+    assert [s["unfinished"] for s in pools.state_dict()["tasks"].values()] == [[], []]

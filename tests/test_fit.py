@@ -85,9 +85,8 @@ def test_table1_half_budget_extrapolates(name, C_mid, B, A):
     tail = C > 4 * C_mid
     assert f.converged and f.n == (~tail).sum() == 20 and n_tail == tail.sum() == 20
     assert abs(f.A - A) < 0.03
-    assert (
-        np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - clean[tail]).mean() < 0.01
-    )  # against the noise-free curve
+    # against the noise-free curve
+    assert np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - clean[tail]).mean() < 0.01
     assert mae == pytest.approx(np.abs(eq1(C[tail], f.A, f.B, f.C_mid) - R[tail]).mean(), rel=1e-9)
 
 
@@ -130,9 +129,8 @@ def test_noise_free_exact(name, C_mid, B, A):
     np.testing.assert_allclose([f.A, f.B, f.C_mid], [A, B, C_mid], rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "scale", [4e-6, 1.0, 1e17]
-)  # CPU-hours (C in 1e-3..1e-1), GPU-hours, FLOPs
+# CPU-hours (C in 1e-3..1e-1), GPU-hours, FLOPs
+@pytest.mark.parametrize("scale", [4e-6, 1.0, 1e17])
 def test_scale_free(scale):
     C, R, clean = evals(2542, 1.92, 0.610)
     assert scale != 4e-6 or (1e-3 <= C.min() * scale and C.max() * scale <= 1e-1)
@@ -250,9 +248,8 @@ def test_fixed_A_refit():
     g = fit.fit_sigmoid(
         C, clean, R0, A=0.610, method="grid", grid_C_mid=np.linspace(2000, 3000, 11)
     )
-    assert (
-        g.fixed_A and g.A == 0.610 and g.C_mid == 2500.0
-    )  # nearest grid C_mid to 2542 wins at the true A
+    # the grid's nearest C_mid to 2542 wins at the true A
+    assert g.fixed_A and g.A == 0.610 and g.C_mid == 2500.0
 
 
 def test_comparison_rule_within_margin_refits_at_mean_A():
@@ -262,9 +259,8 @@ def test_comparison_rule_within_margin_refits_at_mean_A():
     assert cmp.A_shared == pytest.approx((cmp.fits[0].A + cmp.fits[1].A) / 2, abs=1e-15)
     assert all(f.fixed_A and f.A == cmp.A_shared and f.converged for f in cmp.refits)
     assert cmp.refits[0].B > cmp.refits[1].B and cmp.best == 0
-    for free, fixed in zip(
-        cmp.fits, cmp.refits, strict=True
-    ):  # a constrained fit cannot beat the free one
+    # a constrained fit cannot beat the free one
+    for free, fixed in zip(cmp.fits, cmp.refits, strict=True):
         assert fixed.sse >= free.sse * (1 - 1e-9)
     assert "refit at mean A" in cmp.rule
 
@@ -290,17 +286,15 @@ def test_bootstrap():
     assert fit.bootstrap(absurd, C, R, n_boot=20, seed=1) == fit.bootstrap(
         f, C, R, n_boot=20, seed=1
     )
-    exact = fit.bootstrap(
-        fit.fit_sigmoid(C, clean, R0), C, clean, n_boot=10
-    )  # no noise: every refit exact
+    # no noise: every refit exact
+    exact = fit.bootstrap(fit.fit_sigmoid(C, clean, R0), C, clean, n_boot=10)
     np.testing.assert_allclose(
         [exact.A, exact.B, exact.C_mid], [[0.61] * 2, [1.92] * 2, [2542] * 2], rtol=1e-6
     )
     fixed = fit.bootstrap(fit.fit_sigmoid(C, R, R0, A=0.6), C, R, n_boot=10)
     assert fixed.A == (0.6, 0.6)
-    step = np.where(
-        C40 < 5000, R0, 0.6
-    )  # not converged: no intervals, every resample counted as failed
+    # not converged: no intervals, every resample counted as failed
+    step = np.where(C40 < 5000, R0, 0.6)
     none = fit.bootstrap(fit.fit_sigmoid(C40, step, R0), C40, step, n_boot=10)
     assert (
         none.n_ok == 0
@@ -326,9 +320,8 @@ def test_power_law():
     assert fit.fit_power_law(C, R, c_min=5000).A > 0.645 + 0.05
     C = np.linspace(30000, 60000, 20)
     assert abs(fit.fit_power_law(C, eq1(C, 0.645, 1.70, 10909)).A - 0.645) < 0.01
-    plateau = fit.fit_power_law(
-        C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40)
-    )  # rising by chance
+    # rising by chance
+    plateau = fit.fit_power_law(C40, 0.5 + np.random.default_rng(2).normal(0, 0.005, 40))
     assert not plateau.converged and "standard error" in plateau.message
 
 

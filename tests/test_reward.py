@@ -1,11 +1,13 @@
-"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None, 10k nesting);
-`ungroup_digits` (each LaTeX spacing command between thousands groups removed, never two numbers merged); a
-table of response/gold verdicts decided by hand (equivalent forms, wrong answers, thinking rules, last box wins,
-and no merging of several boxes into a set); the batch path gives the same verdicts and grades repeats once; bad
-gold raises; hostile output (power towers, 100k-character boxes, 10k nested braces, NUL bytes, lone surrogates,
-empty strings) scores 0.0 within timeout + a few seconds; an overrunning worker is killed and replaced; a worker
-that died while idle costs no wrong verdict; 8 threads at once; the pool starts one worker, `close()` reaps all,
-and no worker outlives its parent (normal exit, SIGKILL while idle, SIGKILL while grading)."""
+"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None,
+10k nesting); `ungroup_digits` (each LaTeX spacing command between thousands groups removed, never
+two numbers merged); a table of response/gold verdicts decided by hand (equivalent forms, wrong
+answers, thinking rules, last box wins, and no merging of several boxes into a set); the batch path
+gives the same verdicts and grades repeats once; `pop_stats` counts gradings, unanswered responses
+and timeouts, and resets; bad gold raises; hostile output (power towers, 100k-character boxes, 10k
+nested braces, NUL bytes, lone surrogates, empty strings) scores 0.0 within timeout + a few
+seconds; an overrunning worker is killed and replaced; a worker that died while idle costs no wrong
+verdict; 8 threads at once; the pool starts one worker, `close()` reaps all, and no worker outlives
+its parent (normal exit, SIGKILL while idle, SIGKILL while grading)."""
 
 import os
 import signal
@@ -24,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid) of a live reward worker, or None when `pid` is gone, a zombie, or not a worker."""
+    """(state letter, parent pid) of a live reward worker, or None when `pid` is gone, a zombie,
+    or not a worker."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -86,9 +89,8 @@ def test_extract_boxed_hostile_sizes():
     assert extract_boxed("\\boxed{" + "9" * 100_000 + "}") == "9" * 100_000
     assert extract_boxed("\\boxed{" + "{" * 100_000) is None
     assert extract_boxed("\\boxed{1}" * 20_000) == "1"
-    assert (
-        time.monotonic() - t < 5.0
-    )  # linear scans; seconds would mean something quadratic crept in
+    # linear scans; seconds would mean something quadratic crept in
+    assert time.monotonic() - t < 5.0
 
 
 # ---------------------------------------------------------------- ungroup_digits
@@ -191,12 +193,19 @@ def test_math_rewards_batch_matches_table_and_grades_repeats_once():
         assert math_rewards([r for r, *_ in rows], [g for _, g, *_ in rows], thinking=thinking) == [
             e for *_, e in rows
         ]
-    graded = reward.STATS["graded"]
+    reward.pop_stats()  # count from here on
     out = math_rewards(
         ["\\boxed{42}"] * 16 + ["\\boxed{41}"] * 15 + ["no box"], ["42"] * 32, thinking=False
     )
     assert out == [1.0] * 16 + [0.0] * 16
-    assert reward.STATS["graded"] == graded + 2  # two distinct answers, two gradings
+    assert reward.pop_stats() == {
+        "reward/math_graded": 2,  # two distinct answers, two gradings
+        "reward/math_timeouts": 0,
+        "reward/math_worker_deaths": 0,
+        "reward/math_no_answer": 1,  # "no box"
+        "reward/math_too_long": 0,
+    }
+    assert set(reward.pop_stats().values()) == {0}  # reset by the call before
     assert math_rewards([], [], thinking=False) == []
 
 
@@ -216,12 +225,9 @@ HOSTILE = {
     "power tower": "\\boxed{9^{9^{9^{9}}}}",
     "100k-char box": "\\boxed{" + "9" * 100_000 + "}",
     "10k nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
-    "300 nested braces": "\\boxed{"
-    + "{" * 300
-    + "1"
-    + "}" * 300
-    + "}",  # under MAX_ANSWER_CHARS: a worker's
-    "400-term sum": "\\boxed{" + "+".join(["1"] * 400) + "}",  # problem, not the length cap's
+    # these two are under MAX_ANSWER_CHARS: a worker's problem, not the length cap's
+    "300 nested braces": "\\boxed{" + "{" * 300 + "1" + "}" * 300 + "}",
+    "400-term sum": "\\boxed{" + "+".join(["1"] * 400) + "}",
     "unclosed 100k": "\\boxed{" + "{" * 100_000,
     "NUL bytes": "\\boxed{4\x002}\x00",
     "only NULs": "\x00" * 1000,
@@ -240,15 +246,16 @@ def test_hostile_output_scores_zero_in_time(name):
 
 
 def test_overrunning_worker_is_killed_and_replaced():
-    assert (
-        math_reward("\\boxed{1}", "1", thinking=False) == 1.0
-    )  # a started worker on top of the pool
-    before, timeouts = worker_pids(), reward.STATS["timeout"]
+    # a started worker on top of the pool
+    assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0
+    before = worker_pids()
+    reward.pop_stats()  # count from here on
     t = time.monotonic()
-    # math-verify's alarm inside the worker is 1 s (its minimum), so our 0.5 s deadline lands first: a kill
+    # math-verify's alarm inside the worker is 1 s (its minimum), so our 0.5 s deadline lands
+    # first: a kill
     assert math_reward(HOSTILE["power tower"], "42", thinking=False, timeout=0.5) == 0.0
     assert time.monotonic() - t < 0.5 + SLACK
-    assert reward.STATS["timeout"] == timeouts + 1
+    assert reward.pop_stats()["reward/math_timeouts"] == 1
     assert len(before - worker_pids()) == 1  # exactly the overrunning worker is gone, and reaped
     assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0  # its slot starts a fresh one
 
@@ -260,12 +267,12 @@ def test_worker_that_died_idle_costs_no_wrong_verdict():
     for pid in pids:
         os.kill(pid, signal.SIGKILL)  # as the OOM killer would
     assert wait_gone(pids, within=10) == set()
-    timeouts = reward.STATS["timeout"]
+    reward.pop_stats()  # count from here on
     assert math_rewards(["\\boxed{0.5}", "\\boxed{3}"], ["\\frac12", "4"], thinking=False) == [
         1.0,
         0.0,
     ]
-    assert reward.STATS["timeout"] == timeouts
+    assert reward.pop_stats()["reward/math_timeouts"] == 0
 
 
 def test_eight_threads_at_once():
@@ -322,7 +329,8 @@ sys.path.insert(0, {root!r})
 import reward
 assert reward.math_reward("\\\\boxed{{1}}", "1", thinking=False) == 1.0
 if sys.argv[1] == "kill-busy":  # a worker grading a power tower when its parent dies
-    threading.Thread(target=reward.math_reward, args=("\\\\boxed{{9^{{9^{{9^{{9}}}}}}}}", "42", False, 5.0)).start()
+    tower = "\\\\boxed{{9^{{9^{{9^{{9}}}}}}}}"
+    threading.Thread(target=reward.math_reward, args=(tower, "42", False, 5.0)).start()
     time.sleep(0.5)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -346,5 +354,6 @@ def test_no_worker_outlives_its_parent(mode, within):
     child.stdin.write("go\n")
     child.stdin.flush()
     child.wait(timeout=30)
-    # normal exit: atexit killed them; SIGKILL: their stdin hits EOF (after the in-flight item, if any)
+    # normal exit: atexit killed them; SIGKILL: their stdin hits EOF (after the in-flight item, if
+    # any)
     assert wait_gone(pids, within=within) == set()
