@@ -1,13 +1,16 @@
-"""The run directory's durable state: sharded checkpoints (torch.distributed.checkpoint), the full-weight export
-the sampler reloads after every step, log truncation on resume, and what produced the run (meta.json).
+"""The run directory's durable state: sharded checkpoints (torch.distributed.checkpoint), the
+full-weight export the sampler reloads after every step (and the final Hugging Face export), log
+truncation on resume, and what produced the run (meta.json).
 
     runs/NAME/checkpoints/step_000050/   model + optimizer, one shard file per rank (DCP)
-    runs/NAME/state.json                 step, weight version, prompt pool, held-out eval history, compute clock
-    runs/NAME/metrics.jsonl, samples.jsonl, args.json, meta.json, heldout.json, fit.json, fit.png, final/
+    runs/NAME/state.json                 step, weight version, prompt pool, held-out eval history,
+                                         compute clock
+    runs/NAME/metrics.jsonl, samples.jsonl, args.json, meta.json, heldout.json, fit.json, fit.png,
+    runs/NAME/final/                     the trained weights, loadable by transformers and vLLM
 
-A checkpoint exists once its state.json is written (atomically, after every rank's shards), so a run killed at any
-moment resumes from the last complete one. export_weights, save_checkpoint and load_checkpoint are collectives:
-call them on every rank.
+A checkpoint exists once its state.json is written (atomically, after every rank's shards), so a
+run killed at any moment resumes from the last complete one. export_weights, save_checkpoint and
+load_checkpoint are collectives: call them on every rank.
 """
 
 import json
@@ -25,33 +28,44 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 
-def sampler_weights(policy: torch.nn.Module, dtype: torch.dtype):
+def sampler_weights(policy: torch.nn.Module, dtype: torch.dtype | None):
     """Yield (name, tensor) for every weight of `train.Policy` as the sampler loads it: Hugging Face
-    names (no `lm.` prefix; a tied head once, as the input embedding, since named_parameters() lists
-    a shared tensor once), each tensor full (unsharded) on the parameter's device and cast to
-    `dtype` there. An FSDP2 shard is cast before the all-gather (DTensor.full_tensor(), a
-    collective: every rank iterates in the same order), so one parameter at a time exists unsharded,
-    in the sampler dtype, and nothing is gathered in fp32 or copied to the CPU."""
+    names (no `lm.` prefix; a tied head once, as the input embedding, since named_parameters()
+    lists a shared tensor once), each tensor full (unsharded) on the parameter's device and cast to
+    `dtype` there (None: each parameter's own dtype, no cast). An FSDP2 shard is cast before the
+    all-gather (DTensor.full_tensor(), a collective: every rank iterates in the same order), so one
+    parameter at a time exists unsharded, in the sampler dtype, and nothing is gathered in fp32 or
+    copied to the CPU."""
     for name, p in policy.named_parameters():
-        t = p.detach().to(
-            dtype
-        )  # elementwise, so cast-then-gather equals gather-then-cast bit for bit
-        yield name.removeprefix("lm."), t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = p.detach()
+        if dtype is not None:
+            # elementwise, so cast-then-gather equals gather-then-cast bit for bit
+            t = t.to(dtype)
+        if hasattr(t, "full_tensor"):  # an FSDP2 shard (DTensor): the all-gather
+            t = t.full_tensor()
+        yield name.removeprefix("lm."), t
 
 
-def export_weights(policy: torch.nn.Module, out_dir: str | None, dtype: torch.dtype) -> None:
+def export_weights(
+    policy: torch.nn.Module, out_dir: str | None, dtype: torch.dtype | None = None
+) -> None:
     """Gather `train.Policy`'s full weights one parameter at a time, cast to `dtype` on their device
-    (`sampler_weights`; a collective: every rank calls it) and, on rank 0, copy each to the CPU and
-    save them all to `out_dir/model.safetensors` under the Hugging Face names vLLM reloads (the disk
-    path). CPU memory on rank 0: one copy of the weights in `dtype`; on the GPU: one unsharded
-    parameter at a time."""
+    (None: as trained, each in its own dtype) with `sampler_weights` (a collective: every rank
+    calls it) and, on rank 0 (the one rank whose `out_dir` is not None), copy each to the CPU and
+    save them all to `out_dir/model.safetensors` (the directory is created if missing) under the
+    Hugging Face names, with save_pretrained's metadata: what vLLM reloads after each step (the
+    disk path, in the sampler's dtype), and the weights of the final export, which transformers
+    loads once the caller writes config and tokenizer beside them. CPU memory on rank 0: one copy
+    of the weights in `dtype`; on the GPU: one unsharded parameter at a time."""
     sd = {}
     for name, t in sampler_weights(policy, dtype):
         if out_dir is not None:
             # no copy on CPU: full_tensor() is fresh, and a plain parameter is only read until saved
             sd[name] = t.to("cpu").contiguous()
     if out_dir is not None:
-        save_file(sd, os.path.join(out_dir, "model.safetensors"))
+        os.makedirs(out_dir, exist_ok=True)
+        # the header save_pretrained writes, which some transformers versions check on loading
+        save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
 def nccl_sender(policy, dtype: torch.dtype, *, rank: int, client, port: int, world_size: int):
@@ -92,26 +106,29 @@ def sampler_source(policy, dtype: torch.dtype):
 
 
 def save_checkpoint(run_dir: str, step: int, policy, optimizer, state: dict) -> None:
-    """Model and optimizer, sharded, with torch.distributed.checkpoint (every rank writes its shards), then the run
-    state (state.json, atomically: a checkpoint without it does not exist), then older checkpoints are deleted."""
-    path = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
+    """Model and optimizer, sharded, with torch.distributed.checkpoint (every rank writes its
+    shards), then the run state (state.json, atomically: a checkpoint without it does not exist),
+    then older checkpoints are deleted."""
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    name = f"step_{step:06d}"
     model_sd, optim_sd = get_state_dict(policy, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(checkpoints, name))
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(run_dir, "state.json.tmp"), "w") as f:
-            json.dump(
-                {**state, "step": step, "checkpoint": os.path.basename(path)}, f
-            )  # run_dir-relative
-        os.replace(os.path.join(run_dir, "state.json.tmp"), os.path.join(run_dir, "state.json"))
-        for old in os.listdir(os.path.dirname(path)):
-            if old != os.path.basename(path):
-                shutil.rmtree(os.path.join(os.path.dirname(path), old), ignore_errors=True)
+        tmp = os.path.join(run_dir, "state.json.tmp")
+        with open(tmp, "w") as f:
+            # the checkpoint's name, not its path: a run directory may be moved
+            json.dump({**state, "step": step, "checkpoint": name}, f)
+        os.replace(tmp, os.path.join(run_dir, "state.json"))  # atomic: the checkpoint now exists
+        for old in os.listdir(checkpoints):
+            if old != name:
+                shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
     dist.barrier()
 
 
 def load_checkpoint(run_dir: str, policy, optimizer) -> dict:
-    """Restore model and optimizer in place from the run's last checkpoint; returns its run state."""
+    """Restore model and optimizer in place from the run's last checkpoint; returns its run state
+    (state.json)."""
     with open(os.path.join(run_dir, "state.json")) as f:
         state = json.load(f)
     model_sd, optim_sd = get_state_dict(policy, optimizer)
@@ -126,17 +143,18 @@ def _keep(line: str, step: int, evals: set[int] | None) -> bool:
         rec = json.loads(line)
     except ValueError:  # the half-written last line of a killed run
         return False
+    if rec.get("step", math.inf) > step:
+        return False
     eval_line = "eval/version" in rec or rec.get("split") == "eval"
-    return rec.get("step", math.inf) <= step and (
-        evals is None or not eval_line or rec["step"] in evals
-    )
+    return evals is None or not eval_line or rec["step"] in evals
 
 
 def truncate_log(path: str, step: int, evals: set[int] | None = None) -> None:
-    """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint, and drops a line
-    cut off by a kill). evals: the steps whose evals the checkpoint's history holds; an eval's lines (metrics.jsonl
-    lines with eval/version, samples.jsonl records of split "eval") of any other step go too: evals finish after
-    the step they measured, so one logged after the checkpoint can carry a step <= `step` (it runs again)."""
+    """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint, and
+    drops a line cut off by a kill). evals: the steps whose evals the checkpoint's history holds;
+    an eval's lines (metrics.jsonl lines with eval/version, samples.jsonl records of split "eval")
+    of any other step go too: evals finish after the step they measured, so one logged after the
+    checkpoint can carry a step <= `step` (it runs again)."""
     if os.path.exists(path):
         with open(path) as f:
             keep = [line for line in f if _keep(line, step, evals)]
@@ -145,8 +163,9 @@ def truncate_log(path: str, step: int, evals: set[int] | None = None) -> None:
 
 
 def clear_run(run_dir: str) -> None:
-    """Delete what a run writes into its directory (logs, held-out split, partial checkpoints, fits, export), so a
-    run that stopped before its first checkpoint starts again from step 0 in the same directory. Other files stay."""
+    """Delete what a run writes into its directory (logs, held-out split, partial checkpoints,
+    fits, export), so a run that stopped before its first checkpoint starts again from step 0 in
+    the same directory. Other files stay."""
     for name in (
         "metrics.jsonl",
         "samples.jsonl",
@@ -163,7 +182,8 @@ def clear_run(run_dir: str) -> None:
 
 
 def run_metadata(world: int) -> dict:
-    """What made this run (modded-nanogpt style): code version, libraries, hardware, command line."""
+    """What made this run (modded-nanogpt style): code version, libraries, hardware, command
+    line."""
     import transformers
     import vllm
 
@@ -177,7 +197,9 @@ def run_metadata(world: int) -> dict:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    cuda = torch.cuda.is_available()
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "commit": commit,
         "argv": sys.argv,
@@ -189,7 +211,5 @@ def run_metadata(world: int) -> dict:
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if cuda
-        else [],
+        "gpus": gpus,
     }

@@ -3,7 +3,9 @@ sampler dtype before leaving its device, it writes exactly what the old export (
 dict gathered to the CPU, then cast) wrote: bit for bit in float32 and in bfloat16 (a cast is
 elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks, for a tied head
 (saved once) and an untied one, with a layer that 2 ranks shard unevenly. vLLM's own check of the
-NCCL weight source (metadata against iteration) passes too. truncate_log on --resume keeps the
+NCCL weight source (metadata against iteration) passes too. With dtype=None it writes the final
+Hugging Face export: the tensors train.py's `lm.save_pretrained` export wrote, which transformers
+loads back with the model's config beside them. truncate_log on --resume keeps the
 lines of steps up to the checkpoint, and of the evals only those in the checkpoint's history (issue
 10: evals finish after their step, so one logged after the checkpoint can carry an earlier step)."""
 
@@ -15,6 +17,9 @@ import sys
 import pytest
 import safetensors.torch
 import torch
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM
 
 import checkpoint
 import tiny
@@ -51,6 +56,33 @@ def test_export_equals_the_old_full_gather_then_cast(tmp_path, nproc):
                 assert torch.equal(t, old[f"torch.{dtype}"][name]), name
                 assert torch.equal(t, start[name].to(t.dtype)), name  # the saved model, cast
         assert new["model.layers.0.mlp.up_proj.weight"].shape[0] == 75  # odd: uneven over 2 ranks
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_final_export_equals_save_pretrained(tmp_path, tied):
+    """One process, no FSDP: export_weights(dtype=None) into a directory it creates writes what
+    train.py's final export (the full state dict through lm.save_pretrained) wrote."""
+    model_dir = tiny.random_model(str(tmp_path / "model"), seed=3, tie_word_embeddings=tied)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy = torch.nn.Module()
+    policy.lm = lm  # train.Policy's parameter names: the LM under `lm.`
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(policy, options=options)
+    old_dir = tmp_path / "old"
+    lm.save_pretrained(old_dir, state_dict={k.removeprefix("lm."): v for k, v in sd.items()})
+    new_dir = tmp_path / "final" / "new"  # missing: export_weights creates it
+    checkpoint.export_weights(policy, str(new_dir))
+    old = safetensors.torch.load_file(old_dir / "model.safetensors")
+    new = safetensors.torch.load_file(new_dir / "model.safetensors")
+    assert sorted(new) == sorted(old) and ("lm_head.weight" in new) is not tied
+    for name, t in new.items():
+        assert t.dtype == torch.float32 and torch.equal(t, old[name]), name
+    with safe_open(new_dir / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    lm.config.save_pretrained(new_dir)
+    back = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32)
+    for (name, a), (_, b) in zip(lm.named_parameters(), back.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_truncate_log_keeps_the_steps_and_the_evals_of_the_checkpoint(tmp_path):
