@@ -43,11 +43,14 @@ def extract_code(response: str, thinking: bool) -> str | None:
     time."""
     if thinking:
         response = response.rsplit("</think>", 1)[1] if "</think>" in response else ""
-    code, lines, lang = None, None, None
+    code = None
+    lines = None  # the open block's lines so far; None outside a block
+    lang = None  # the open block's tag
     for line in response.split("\n"):
         fence = line.strip()
         if lines is None and fence.startswith("```"):
-            lang, lines = fence[3:].strip().lower(), []
+            lang = fence[3:].strip().lower()
+            lines = []
         elif lines is not None and fence == "```":
             if lang in ("", "python", "py", "python3"):
                 code = "\n".join(lines) + "\n"
@@ -63,9 +66,13 @@ def same_output(got: str, expected: str) -> bool:
     count."""
     g = [line.split() for line in got.splitlines() if line.strip()]
     e = [line.split() for line in expected.splitlines() if line.strip()]
+
+    def same_token(x: str, y: str) -> bool:
+        # equal as text, or both finite decimals of equal value (_decimal gives None otherwise)
+        return x == y or (_decimal(x) is not None and _decimal(x) == _decimal(y))
+
     return len(g) == len(e) and all(
-        len(a) == len(b)
-        and all(x == y or _decimal(x) == _decimal(y) is not None for x, y in zip(a, b, strict=True))
+        len(a) == len(b) and all(same_token(x, y) for x, y in zip(a, b, strict=True))
         for a, b in zip(g, e, strict=True)
     )
 
@@ -186,11 +193,14 @@ def code_problem(row: dict) -> tuple[str, str]:
 
 
 def _deepcoder(row: dict) -> tuple[str, dict]:
-    raw, meta = _json(row["tests"]), _json(row.get("metadata") or {})
+    raw = _json(row["tests"])
+    meta = _json(row.get("metadata") or {})
     if isinstance(raw, dict):  # TACO / APPS
-        cases, fn = list(zip(raw["inputs"], raw["outputs"], strict=True)), raw.get("fn_name")
+        cases = list(zip(raw["inputs"], raw["outputs"], strict=True))
+        fn = raw.get("fn_name")
     else:  # LiveCodeBench / PrimeIntellect: a list of test objects
-        cases, first = [(t["input"], t["output"]) for t in raw], raw[0]
+        cases = [(t["input"], t["output"]) for t in raw]
+        first = raw[0]
         names = [first.get("fn_name"), (first.get("metadata") or {}).get("func_name")]
         call = first.get("testtype") == "functional" or first.get("type") == "function_call"
         fn = next((n for n in [*names, meta.get("func_name")] if n), None) if call else names[0]

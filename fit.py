@@ -341,9 +341,9 @@ def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
         (A, d), *_ = np.linalg.lstsq(X, R)
         scan.append((float(((X @ [A, d] - R) ** 2).sum()), A, B, d))
     out, problems, se = _lsq(res, jac, [min(scan)[1:]], [-np.inf, 0.0, 0.0], [1.0, np.inf, np.inf])
-    (A, B, d), x_mean = out.x, x.mean()
-    with np.errstate(over="ignore"):
-        D = float(d * np.exp(B * x_mean))
+    A, B, d = out.x
+    with np.errstate(over="ignore"):  # d = D exp(-B mean ln C), as centred above
+        D = float(d * np.exp(B * x.mean()))
     if A >= 1 - 1e-9:
         problems.append("A at its bound 1")
     if not problems and (se[1:] > out.x[1:]).any():
@@ -375,8 +375,8 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
     else:
         A_shared = float(As.mean())
         refits = [fit_sigmoid(C, R, R0, A=A_shared, c_min=c_min) for C, R, R0 in runs]
-        best, rule = int(np.argmax([f.B for f in refits])), f"A within {margin}: refit at mean "
-        rule += f"A={A_shared:.4f}, higher B"
+        best = int(np.argmax([f.B for f in refits]))
+        rule = f"A within {margin}: refit at mean A={A_shared:.4f}, higher B"
     bad = [k for k, f in enumerate(fits + (refits or [])) if not f.converged]
     rule += f" (UNRELIABLE: fits {bad} not converged)" * bool(bad)
     return Comparison(fits, A_shared, refits, best, rule)

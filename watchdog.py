@@ -1,17 +1,20 @@
-"""The run's watchdog: a small process that outlives a killed trainer and ends every process the trainer started.
+"""The run's watchdog: a small process that outlives a killed trainer and ends every process the
+trainer started.
 
-A trainer killed with SIGKILL runs no cleanup, and vLLM's engine processes (EngineCore, Worker) do not watch their
-parent: they would keep their memory, CPU and GPUs for good (issue 13). `start(dirs)` launches this file as a
-process in its own session, so neither a terminal's Ctrl-C nor a kill of the trainer's process group reaches it.
-Every POLL_S seconds it records the trainer's descendants (pid and start time, so a reused pid is never mistaken
-for one of them); once the trainer is gone (or a zombie), it sends them SIGTERM, SIGKILL after GRACE_S, deletes the
-directories it was given, and exits: within about POLL_S + 2 * GRACE_S seconds of the trainer's death. A trainer
-that closes normally calls `stop`, which kills the watchdog before it acts.
+A trainer killed with SIGKILL runs no cleanup, and vLLM's engine processes (EngineCore, Worker) do
+not watch their parent: they would keep their memory, CPU and GPUs for good (issue 13).
+`start(dirs)` launches this file as a process in its own session, so neither a terminal's Ctrl-C
+nor a kill of the trainer's process group reaches it. Every POLL_S seconds it records the
+trainer's descendants (pid and start time, so a reused pid is never mistaken for one of them);
+once the trainer is gone (or a zombie), it sends them SIGTERM, SIGKILL after GRACE_S, deletes the
+directories it was given, and exits: within about POLL_S + 2 * GRACE_S seconds of the trainer's
+death. A trainer that closes normally calls `stop`, which kills the watchdog before it acts.
 
-Why this design: PR_SET_PDEATHSIG or a parent-pid poll would need code inside vLLM's processes, which vLLM starts
-itself (on CPU by forking from a thread, on GPU by spawning); the watchdog needs none, and it also covers the
-multiprocessing resource tracker and the reward workers. It polls the trainer instead of waiting for EOF on a pipe
-from it, because vLLM forks its engine from the trainer, so the engine would hold the pipe open.
+Why this design: PR_SET_PDEATHSIG or a parent-pid poll would need code inside vLLM's processes,
+which vLLM starts itself (on CPU by forking from a thread, on GPU by spawning); the watchdog needs
+none, and it also covers the multiprocessing resource tracker and the reward workers. It polls the
+trainer instead of waiting for EOF on a pipe from it, because vLLM forks its engine from the
+trainer, so the engine would hold the pipe open.
 
     proc = watchdog.start([weights_dir])    # in the trainer, before starting the engine
     watchdog.stop(proc)                      # after a normal shutdown
@@ -33,8 +36,8 @@ GRACE_S = 2.0  # seconds between SIGTERM and SIGKILL, then the most it waits for
 
 
 def start(dirs: list[str]) -> subprocess.Popen:
-    """Start a watchdog over this process and its descendants; `dirs` are deleted once this process is dead.
-    Returns the watchdog's Popen, for `stop`."""
+    """Start a watchdog over this process and its descendants; `dirs` are deleted once this process
+    is dead. Returns the watchdog's Popen, for `stop`."""
     me = psutil.Process()
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), str(me.pid), repr(me.create_time()), *dirs],
@@ -44,7 +47,8 @@ def start(dirs: list[str]) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End a watchdog whose trainer is closing normally (it leaves everything alone) and reap it."""
+    """End a watchdog whose trainer is closing normally (it leaves everything alone) and reap
+    it."""
     proc.kill()
     proc.wait()
 
@@ -56,24 +60,29 @@ def _gone(trainer: psutil.Process) -> bool:
         return True
 
 
-def watch(pid: int, create_time: float, dirs: list[str]) -> None:
-    """The watchdog's loop (this file's __main__): see the module docstring."""
+def _trainer(pid: int, create_time: float) -> psutil.Process | None:
+    """The trainer's process, or None when it is gone (its pid may have been reused since)."""
     try:
         trainer = psutil.Process(pid)
-        if (
-            abs(trainer.create_time() - create_time) > 0.01
-        ):  # the pid was reused: the trainer is gone
-            raise psutil.NoSuchProcess(pid)
+        started = trainer.create_time()
     except psutil.NoSuchProcess:
-        trainer = None
-    seen: dict[
-        int, psutil.Process
-    ] = {}  # the trainer's descendants so far; each holds its start time
+        return None
+    if abs(started - create_time) > 0.01:  # the pid was reused: the trainer is gone
+        return None
+    return trainer
+
+
+def watch(pid: int, create_time: float, dirs: list[str]) -> None:
+    """The watchdog's loop (this file's __main__): see the module docstring."""
+    trainer = _trainer(pid, create_time)
+    # the trainer's descendants so far; each psutil.Process holds its start time
+    seen: dict[int, psutil.Process] = {}
     while trainer is not None and not _gone(trainer):
         with contextlib.suppress(psutil.Error):
             for p in trainer.children(recursive=True):
                 if p.pid != os.getpid() and p.pid not in seen:
-                    with contextlib.suppress(psutil.Error):  # another pipeline's watchdog: not ours
+                    # another pipeline's watchdog is not ours to end
+                    with contextlib.suppress(psutil.Error):
                         if os.path.abspath(__file__) not in p.cmdline():
                             seen[p.pid] = p
         time.sleep(POLL_S)

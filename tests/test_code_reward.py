@@ -158,9 +158,8 @@ def test_humaneval_return_none_same_verdicts_as_running_directly():
     responses = [f"```python\n{p['prompt']}{body}```" for p in problems]
     rewards, reasons = code_rewards(responses, golds, thinking=False)
 
-    def direct(
-        p,
-    ):  # HumanEval's program run by a plain interpreter: (passed, exception class or "")
+    # HumanEval's program run by a plain interpreter: (passed, exception class or "")
+    def direct(p):
         program = p["prompt"] + body + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n"
         run = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=30)
         last = run.stderr.decode().strip().split("\n")[-1]

@@ -1,7 +1,8 @@
-"""watchdog.py: with real processes. A fake trainer starts the watchdog, a child that ignores SIGTERM (as the
-multiprocessing resource tracker does) and a child with a grandchild; killed with SIGKILL, it leaves none of them
-alive after POLL_S + 2 * GRACE_S seconds (+1 s of slack), and the directory it named is gone. A trainer that stops
-its watchdog (a normal close) keeps its processes and the directory: the watchdog never acts on a live trainer."""
+"""watchdog.py: with real processes. A fake trainer starts the watchdog, a child that ignores
+SIGTERM (as the multiprocessing resource tracker does) and a child with a grandchild; killed with
+SIGKILL, it leaves none of them alive after POLL_S + 2 * GRACE_S seconds (+1 s of slack), and the
+directory it named is gone. A trainer that stops its watchdog (a normal close) keeps its processes
+and the directory: the watchdog never acts on a live trainer."""
 
 import contextlib
 import os
@@ -32,7 +33,8 @@ time.sleep(600)
 
 
 def fake_trainer(tmp_path, mode):
-    """Start the fake trainer; returns (its Popen, its descendants as psutil processes, the watchdog's pid)."""
+    """Start the fake trainer; returns (its Popen, its descendants as psutil processes, the
+    watchdog's pid)."""
     doomed = tmp_path / "weights"
     doomed.mkdir()
     proc = subprocess.Popen(
