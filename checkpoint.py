@@ -9,8 +9,8 @@ truncation on resume, and what produced the run (meta.json).
     runs/NAME/final/                     the trained weights, loadable by transformers and vLLM
 
 A checkpoint exists once its state.json is written (atomically, after every rank's shards), so a
-run killed at any moment resumes from the last complete one. export_weights, save_checkpoint and
-load_checkpoint are collectives: call them on every rank.
+run killed at any moment resumes from the last complete one. export_weights, export_pretrained,
+save_checkpoint and load_checkpoint are collectives: call them on every rank.
 """
 
 import json
@@ -66,6 +66,19 @@ def export_weights(
         os.makedirs(out_dir, exist_ok=True)
         # the header save_pretrained writes, which some transformers versions check on loading
         save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def export_pretrained(policy, tokenizer, out_dir: str | None, dtype: torch.dtype | None) -> None:
+    """A directory that transformers' from_pretrained and vLLM load: on rank 0 (the one rank whose
+    `out_dir` is not None) the config and generation config of `policy.lm` and the tokenizer,
+    then `export_weights(policy, out_dir, dtype)` (a collective: every rank calls it). For the
+    sampler's start after a resume (dtype: the sampler's) and the final export (None: as
+    trained)."""
+    if out_dir is not None:
+        policy.lm.config.save_pretrained(out_dir)  # creates out_dir if missing
+        policy.lm.generation_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    export_weights(policy, out_dir, dtype)
 
 
 def nccl_sender(policy, dtype: torch.dtype, *, rank: int, client, port: int, world_size: int):

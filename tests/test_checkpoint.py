@@ -4,10 +4,11 @@ dict gathered to the CPU, then cast) wrote: bit for bit in float32 and in bfloat
 elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks, for a tied head
 (saved once) and an untied one, with a layer that 2 ranks shard unevenly. vLLM's own check of the
 NCCL weight source (metadata against iteration) passes too. With dtype=None it writes the final
-Hugging Face export: the tensors train.py's `lm.save_pretrained` export wrote, which transformers
-loads back with the model's config beside them. truncate_log on --resume keeps the
-lines of steps up to the checkpoint, and of the evals only those in the checkpoint's history (issue
-10: evals finish after their step, so one logged after the checkpoint can carry an earlier step)."""
+Hugging Face export: the tensors train.py's `lm.save_pretrained` export wrote, and
+export_pretrained's directory loads back in transformers, weights and tokenizer. truncate_log on
+--resume keeps the lines of steps up to the checkpoint, and of the evals only those in the
+checkpoint's history (issue 10: evals finish after their step, so one logged after the
+checkpoint can carry an earlier step)."""
 
 import json
 import os
@@ -19,7 +20,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import tiny
@@ -79,10 +80,15 @@ def test_final_export_equals_save_pretrained(tmp_path, tied):
         assert t.dtype == torch.float32 and torch.equal(t, old[name]), name
     with safe_open(new_dir / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    lm.config.save_pretrained(new_dir)
-    back = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pretrained = str(tmp_path / "pretrained")
+    checkpoint.export_pretrained(policy, tokenizer, pretrained, None)
+    back = AutoModelForCausalLM.from_pretrained(pretrained)
+    assert back.dtype == torch.float32
     for (name, a), (_, b) in zip(lm.named_parameters(), back.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+    text = "1 + 2 = 3"
+    assert AutoTokenizer.from_pretrained(pretrained)(text) == tokenizer(text)
 
 
 def test_truncate_log_keeps_the_steps_and_the_evals_of_the_checkpoint(tmp_path):
