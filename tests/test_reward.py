@@ -354,6 +354,8 @@ def test_no_worker_outlives_its_parent(mode, within):
     child.stdin.write("go\n")
     child.stdin.flush()
     child.wait(timeout=30)
+    child.stdin.close()  # an unclosed pipe's garbage collection can fail a later test
+    child.stdout.close()
     # normal exit: atexit killed them; SIGKILL: their stdin hits EOF (after the in-flight item, if
     # any)
     assert wait_gone(pids, within=within) == set()

@@ -59,6 +59,7 @@ def test_kill_9_of_the_trainer_ends_its_processes_and_deletes_its_dirs(tmp_path)
     proc, kids, wd, doomed = fake_trainer(tmp_path, "watch")
     os.kill(proc.pid, signal.SIGKILL)  # the trainer only, as `kill -9 <pid>` does
     proc.wait()
+    proc.stdout.close()  # else its garbage collection fails a later test (an unclosed file)
     t, limit = time.monotonic(), watchdog.POLL_S + 2 * watchdog.GRACE_S + 1
     while alive(kids) and time.monotonic() - t < limit:
         time.sleep(0.1)
@@ -80,3 +81,4 @@ def test_a_stopped_watchdog_leaves_a_live_trainers_processes_alone(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the fake trainer's whole session
         proc.wait()
+        proc.stdout.close()
