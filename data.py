@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 import arith
 import code_reward
 import sources
-from arith import ARITH_INSTRUCTION, ARITH_SIZE
 
 # Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and
 # config.py.
@@ -122,7 +121,7 @@ def is_local_path(name: str) -> bool:
     return os.path.exists(os.path.expanduser(name)) or name.startswith((".", "/", "~"))
 
 
-def read_rows(source: str, *, size: int = ARITH_SIZE, seed: int = 0) -> list:
+def read_rows(source: str, *, size: int = arith.ARITH_SIZE, seed: int = 0) -> list:
     """Raw rows of `source`: "arith", "arith-hard" (`size` items drawn by `seed`: arith.py), a
     preset name, a local .jsonl/.json/.parquet file, or a hub id.
 
@@ -283,7 +282,7 @@ def load_prompts(
     question_key: str | None = None,
     answer_key: str | None = None,
     instruction: str | None = None,
-    size: int = ARITH_SIZE,
+    size: int = arith.ARITH_SIZE,
     seed: int = 0,
 ) -> list[Prompt]:
     """Prompts from `source` ("arith", a preset, a .jsonl/.json/.parquet path, a hub id, or a
@@ -300,7 +299,7 @@ def load_prompts(
         kw.update(answer_key=answer_key, instruction=instruction, size=size, seed=seed)
         return load_mixture(source, tokenizer, **kw)
     if instruction is None:
-        instruction = ARITH_INSTRUCTION if source in ("arith", "arith-hard") else INSTRUCTION
+        instruction = arith.ARITH_INSTRUCTION if source in ("arith", "arith-hard") else INSTRUCTION
     rows = read_rows(source, size=size, seed=seed)
     if not rows:
         raise ValueError(f"{source}: no rows (an empty file?)")

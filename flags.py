@@ -1,5 +1,5 @@
-"""`Args`: every flag of train.py, with its default (the ScaleRL recipe of §4 at the tiny preset's
-scale) and its docstring, which tyro prints as the `--help` text.
+"""`Args`: every flag of train.py, with its default (the ScaleRL recipe of §4, at a CPU's scale)
+and its docstring, which tyro prints as the `--help` text.
 
     python train.py --help                   # every flag with its default and docstring
 
@@ -9,13 +9,14 @@ field). config.parse_args lays the --model preset and the --recipe over these de
 `python -m pytest tests/test_train.py -k "recipes or bad"`.
 
 Where this departs from the paper, and why:
-1. The defaults are sized for the tiny model on a CPU (presets.py's "tiny" row); the paper's values
-   are given on each field and set by the qwen3 presets.
+1. The sizes default to a CPU run of the tiny model (presets.py's "tiny" row adjusts them); the
+   paper's values are given on each field and set by the qwen3 presets.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
+# from-imports: inside Args the name `data` is a field, not the module
 from arith import ARITH_THINK_BUDGET
 from data import PHRASE  # the interruption phrase (paper v1 §4)
 
