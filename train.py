@@ -64,6 +64,7 @@ import code_reward
 import data
 import filters
 import fit
+import heldout
 import loss
 import placement
 import reward
@@ -733,7 +734,7 @@ def load_inputs(args: Args, master: bool):
         ) from e
     tasks = collections.Counter(p.task for p in prompts)
     task, n = min(tasks.items(), key=lambda item: item[1])
-    if args.eval_size >= n:  # held out per task (data.split_heldout)
+    if args.eval_size >= n:  # held out per task (heldout.split_heldout)
         of = f"task {task} of --data {args.data}" if len(tasks) > 1 else f"--data {args.data}"
         raise BadInput(
             f"--eval-size {args.eval_size}: must be less than the {n} prompts of {of}", 1
@@ -839,7 +840,7 @@ def main(args: Args) -> None:
         not master,
     ):  # rank 0 draws (or, resuming, restores) the held-out split; the others read it
         if turn:
-            train_prompts, eval_prompts = data.split_heldout(
+            train_prompts, eval_prompts = heldout.split_heldout(
                 prompts, args.eval_size, seed=args.seed, run_dir=run_dir
             )
         dist.barrier()

@@ -19,7 +19,7 @@ Where this departs from the paper, and why: two seeds and one 0.43M-parameter mo
 minutes of CPU instead of 100k GPU-hours; on a CPU `fp32_head` is a no-op, so the GRPO arm differs from
 ScaleRL in the loss (GRPO clipping, sample-level aggregation, prompt-level advantage normalisation), the
 off-policy mode (PPO-off-policy-k instead of PipelineRL-k), and no zero-variance filter or
-No-Positive-Resampling (config.RECIPES).
+No-Positive-Resampling (presets.RECIPES).
 """
 
 import argparse

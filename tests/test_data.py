@@ -1,13 +1,16 @@
-"""data.py: column mapping in each file format (GSM8K "####" answers, \\boxed{} solutions, key overrides), every kind
-of bad row skipped and counted, the all-bad error, the held-out split (deterministic, disjoint, restored on resume),
-the arith task (solutions graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
-interruption budget, SFT and RL pools disjoint), the 100 real GSM8K questions with their golds; thinking decided from
-the chat template (Qwen3 hybrid, no think block, opened think block, DeepSeek-R1, a closed empty block, no template,
-a multi-token </think>) and the eval warning; number golds written exactly and bad answers (bool, NaN, inf, lists)
-counted in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row. Multi-task (issue 16):
-a mixture's prompts named by source, questions of an earlier source dropped, its errors; the held-out split per
-task (eval_size of each, by the documented draws, restored on resume, the error naming the short task); and
-arith-hard: every RL-pool item with 7-9 additions, graded right by its gold."""
+"""data.py, sources.py, arith.py and heldout.py: column mapping in each file format (GSM8K "####"
+answers, \\boxed{} solutions, key overrides), every kind of bad row skipped and counted, the all-bad
+error, the held-out split (deterministic, disjoint, restored on resume), the arith task (solutions
+graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
+interruption budget, SFT and RL pools disjoint), the 100 real GSM8K questions with their golds;
+thinking decided from the chat template (Qwen3 hybrid, no think block, opened think block,
+DeepSeek-R1, a closed empty block, no template, a multi-token </think>) and the eval warning; number
+golds written exactly and bad answers (bool, NaN, inf, lists) counted in JSON, JSONL and parquet;
+files with a UTF-8 byte-order mark loading every row; a local path told from a hub id
+(is_local_path, hand-picked names). Multi-task (issue 16): a mixture's prompts named by source,
+questions of an earlier source dropped, its errors; the held-out split per task (eval_size of each,
+by the documented draws, restored on resume, the error naming the short task); and arith-hard:
+every RL-pool item with 7-9 additions, graded right by its gold."""
 
 import json
 import os
@@ -17,7 +20,10 @@ from dataclasses import replace
 
 import pytest
 
+import arith
+import config
 import data
+import heldout
 import reward
 import tiny
 
@@ -64,7 +70,8 @@ def write(path, rows, fmt):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet"])
 def test_column_mapping_and_golds_in_each_format(tmp_path, tok, fmt):
-    # one mapping per file, chosen from the keys: split the fixtures by their question/answer column pairs
+    # one mapping per file, chosen from the keys: split the fixtures by their question/answer
+    # column pairs
     groups = [[ROWS[0], ROWS[1]], [ROWS[2]], [ROWS[3]]] + ([[ROWS[4]]] if fmt != "parquet" else [])
     for i, group in enumerate(groups):
         path = write(tmp_path / f"d{i}.{fmt}", [r for r, _ in group], fmt)
@@ -149,35 +156,63 @@ def test_all_bad_file_fails_with_clear_error(tmp_path, tok):
         )
 
 
+def test_is_local_path_a_path_or_an_existing_name_else_a_hub_id(tmp_path, monkeypatch):
+    """Local: whatever exists (relative to the working directory) and whatever starts with ".",
+    "/" or "~", found or not; anything else is a hub id. --data adds its extension rule on top,
+    --model its presets and the org/name shape."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    (tmp_path / "x.jsonl").write_text('{"question": "q", "answer": "1"}\n')
+    local = ["./missing", "../missing", ".hidden", "/no/such/dir", "~/missing", "~"]
+    local += ["org", "org/model", "x.jsonl"]  # these exist here
+    for name in local:
+        assert data.is_local_path(name), name
+    for name in ["org/name", "Qwen/Qwen3-8B", "gsm8k", "y.jsonl"]:
+        assert not data.is_local_path(name), name
+    # --data: a missing file name is still a file (its extension), never asked of the hub
+    with pytest.raises(FileNotFoundError, match=r"^y\.jsonl: no such file"):
+        data.read_rows("y.jsonl")
+    assert data.read_rows("x.jsonl") == [{"question": "q", "answer": "1"}]
+    # --model: a local directory, a hub id, or neither
+    kinds = {m: config.model_kind(m) for m in ["org/model", "org/name", "./m", "gsm8k", "tiny"]}
+    assert kinds == {
+        "org/model": "dir",
+        "org/name": "hub",
+        "./m": "dir",
+        "gsm8k": "unknown",
+        "tiny": "preset",
+    }
+
+
 def test_heldout_split_deterministic_disjoint_and_restored(tmp_path, tok):
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(50)]
     prompts, _ = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
-    train, held = data.split_heldout(prompts, 10, seed=3, run_dir=str(tmp_path))
+    train, held = heldout.split_heldout(prompts, 10, seed=3, run_dir=str(tmp_path))
     expected = set(random.Random(3).sample(range(50), 10))  # the documented rule, independently
     assert {p.index for p in held} == expected and len(train) == 40
     assert {p.question for p in train}.isdisjoint(p.question for p in held)
-    assert data.split_heldout(prompts, 10, seed=3)[1] == held  # same seed, same split
-    assert data.split_heldout(prompts, 10, seed=4)[1] != held
+    assert heldout.split_heldout(prompts, 10, seed=3)[1] == held  # same seed, same split
+    assert heldout.split_heldout(prompts, 10, seed=4)[1] != held
     # resume: the saved split wins even if the seed (or eval size) passed now differs
-    train2, held2 = data.split_heldout(prompts, 5, seed=99, run_dir=str(tmp_path))
+    train2, held2 = heldout.split_heldout(prompts, 5, seed=99, run_dir=str(tmp_path))
     assert held2 == held and train2 == train
     other, _ = data.build_prompts(
         rows[:49] + [{"question": "new", "answer": "1"}], tok, thinking=True, max_prompt_len=512
     )
     with pytest.raises(ValueError, match="different dataset"):
-        data.split_heldout(other, 10, seed=3, run_dir=str(tmp_path))
+        heldout.split_heldout(other, 10, seed=3, run_dir=str(tmp_path))
     with pytest.raises(ValueError, match="eval_size=50"):
-        data.split_heldout(prompts, 50, seed=3)
+        heldout.split_heldout(prompts, 50, seed=3)
 
 
 def test_arith_solutions_graded_right_and_wrong_answers_wrong():
-    items = [item for item, _ in zip(data.arith_items(0), range(60), strict=False)]
+    items = [item for item, _ in zip(arith.arith_items(0), range(60), strict=False)]
     for item in items:  # gold by brute force, independent of the closed form in ArithItem
         x = item.start
         for _ in range(item.times):
             x += item.add
-        assert item.gold == str(x) and 1 <= item.times <= data.ARITH_MAX_ADDS and x <= 99
-    sols = [data.arith_solution(item) for item in items]
+        assert item.gold == str(x) and 1 <= item.times <= arith.ARITH_MAX_ADDS and x <= 99
+    sols = [arith.arith_solution(item) for item in items]
     assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(
         items
     )
@@ -188,10 +223,10 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
     assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(
         items
     )
-    item = data.ArithItem(start=18, add=7, times=2)
+    item = arith.ArithItem(start=18, add=7, times=2)
     assert item.question == "Add 7 to 18, 2 times." and item.gold == "32"
-    assert data.arith_solution(item) == "<think>\n2:18+7=25\n1:25+7=32\n</think>\n\n\\boxed{32}"
-    sloppy = data.arith_solution(
+    assert arith.arith_solution(item) == "<think>\n2:18+7=25\n1:25+7=32\n</think>\n\n\\boxed{32}"
+    sloppy = arith.arith_solution(
         item, slip=1.0, rng=random.Random(0)
     )  # every carry forgotten: 15, then 12
     assert sloppy == "<think>\n2:18+7=15\n1:15+7=12\n</think>\n\n\\boxed{12}"
@@ -199,24 +234,24 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
 
 
 def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
-    lo, hi = data.ARITH_THINK_BUDGET
-    items = [item for item, _ in zip(data.arith_items(1), range(2000), strict=False)]
+    lo, hi = arith.ARITH_THINK_BUDGET
+    items = [item for item, _ in zip(arith.arith_items(1), range(2000), strict=False)]
     think = {}  # additions -> thinking tokens up to and including </think>
     for item in items:
-        ids = tok(data.arith_solution(item), add_special_tokens=False)["input_ids"]
+        ids = tok(arith.arith_solution(item), add_special_tokens=False)["input_ids"]
         think.setdefault(item.times, []).append(
             ids.index(tok.convert_tokens_to_ids("</think>")) + 1
         )
-    assert sorted(think) == list(range(1, data.ARITH_MAX_ADDS + 1))
+    assert sorted(think) == list(range(1, arith.ARITH_MAX_ADDS + 1))
     assert (
-        max(think[data.ARITH_MAX_ADDS - 2]) < lo < max(think[data.ARITH_MAX_ADDS - 1]) < hi
+        max(think[arith.ARITH_MAX_ADDS - 2]) < lo < max(think[arith.ARITH_MAX_ADDS - 1]) < hi
     )  # binds on the 2 hardest
-    assert lo < max(think[data.ARITH_MAX_ADDS]) <= hi
-    assert max(think[1]) < min(think[data.ARITH_MAX_ADDS])  # longer with difficulty
-    sft = {i.question for i, _ in zip(data.arith_items(1, "sft"), range(5000), strict=False)}
+    assert lo < max(think[arith.ARITH_MAX_ADDS]) <= hi
+    assert max(think[1]) < min(think[arith.ARITH_MAX_ADDS])  # longer with difficulty
+    sft = {i.question for i, _ in zip(arith.arith_items(1, "sft"), range(5000), strict=False)}
     assert sft.isdisjoint(i.question for i in items)
     with pytest.raises(ValueError, match="pool"):
-        next(data.arith_items(0, "test"))
+        next(arith.arith_items(0, "test"))
 
 
 def test_arith_preset_unique_and_seeded(tok):
@@ -229,7 +264,7 @@ def test_arith_preset_unique_and_seeded(tok):
         )
     ]
     assert tok.decode(a[0].prompt_ids).endswith(
-        f"\n{data.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+        f"\n{arith.ARITH_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
     )
     with pytest.raises(
         ValueError, match="distinct items"
@@ -484,17 +519,17 @@ def test_heldout_split_per_task_by_the_documented_draws_and_restored(tmp_path, t
     prompts, _ = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
     # tasks interleaved: a at positions 0, 3, 6, ... (10), b elsewhere (20)
     prompts = [replace(p, task="a" if p.index % 3 == 0 else "b") for p in prompts]
-    train, held = data.split_heldout(prompts, 4, seed=2, run_dir=str(tmp_path))
+    train, held = heldout.split_heldout(prompts, 4, seed=2, run_dir=str(tmp_path))
     rng = random.Random(2)  # the documented rule: one generator, each task's positions in turn
     a, b = list(range(0, 30, 3)), [i for i in range(30) if i % 3]
     expected = {a[j] for j in rng.sample(range(10), 4)} | {b[j] for j in rng.sample(range(20), 4)}
     assert {p.index for p in held} == expected and len(train) == 22
     assert sorted(p.task for p in held) == ["a"] * 4 + ["b"] * 4
-    assert data.split_heldout(prompts, 9, seed=0, run_dir=str(tmp_path))[1] == held  # restored
+    assert heldout.split_heldout(prompts, 9, seed=0, run_dir=str(tmp_path))[1] == held  # restored
     with pytest.raises(
         ValueError, match=r"eval_size=10 must be in \[0, 10\) for 10 prompts of task a"
     ):
-        data.split_heldout(prompts, 10, seed=2)
+        heldout.split_heldout(prompts, 10, seed=2)
 
 
 def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):
@@ -502,7 +537,7 @@ def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):
     # independently: the RL stream of arith_items, read until it has shown every such item
     seen = {
         i.question
-        for i, _ in zip(data.arith_items(0, "rl"), range(300_000), strict=False)
+        for i, _ in zip(arith.arith_items(0, "rl"), range(300_000), strict=False)
         if i.times >= 7
     }
     assert sorted(r["question"] for r in hard) == sorted(seen) and len(hard) == 662
@@ -514,5 +549,5 @@ def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):
             int, re.fullmatch(r"Add (\d+) to (\d+), (\d+) times\.", p.question).groups()
         )
         assert times >= 7 and p.gold == str(start + times * add)
-        item = data.ArithItem(start, add, times)
-        assert reward.math_reward(data.arith_solution(item), p.gold, thinking=True) == 1.0
+        item = arith.ArithItem(start, add, times)
+        assert reward.math_reward(arith.arith_solution(item), p.gold, thinking=True) == 1.0

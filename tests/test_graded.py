@@ -1,10 +1,11 @@
-"""Answers graded right, end to end: a gold as it appears in a real dataset file (GSM8K's "#### 1,234",
-MATH's \\boxed{} solutions, integer and float answer columns in JSON, JSONL and parquet) goes through
-data.py's loading (read_rows, build_prompts, thinking_mode) and reward.math_rewards (real math-verify, in
-its workers) with a model's response; every expected reward is decided by hand. Also the issue-14
-reproductions: a model whose chat template has no think block is graded without a </think> (through the
-pipeline, as train.py runs it), a float gold 0.00001 is not Euler's number, LaTeX thin spaces inside a
-number are digit grouping and never merge two numbers."""
+"""Answers graded right, end to end: a gold as it appears in a real dataset file (GSM8K's
+"#### 1,234", MATH's \\boxed{} solutions, integer and float answer columns in JSON, JSONL and
+parquet) goes through data.py's loading (read_rows, build_prompts, thinking_mode) and
+reward.math_rewards (real math-verify, in its workers) with a model's response; every expected
+reward is decided by hand. Also the issue-14 reproductions: a model whose chat template has no
+think block is graded without a </think> (through the pipeline, as train.py runs it), a float gold
+0.00001 is not Euler's number, LaTeX thin spaces inside a number are digit grouping and never merge
+two numbers."""
 
 import asyncio
 import json
@@ -20,7 +21,8 @@ import pipeline
 import reward
 import tiny
 
-CHATML = (  # no think block: Qwen3-Instruct-2507's generation prompt, in the tiny tokenizer's tokens
+# no think block: Qwen3-Instruct-2507's generation prompt, in the tiny tokenizer's tokens
+CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -171,7 +173,8 @@ def test_thinking_decided_by_the_template_grades_the_answer():
 
 
 class ScriptedSampler:
-    """Stands in for generate.Sampler: every rollout is the same scripted text; records `thinking`."""
+    """Stands in for generate.Sampler: every rollout is the same scripted text; records
+    `thinking`."""
 
     version = 0
 
@@ -199,7 +202,8 @@ class ScriptedSampler:
 
 
 def test_issue_reproduction_no_think_block_scores_through_the_pipeline(tmp_path, chatml_tok):
-    # `</think>` is one token but the chat template opens no think block; the model answers and stops.
+    # `</think>` is one token but the chat template opens no think block; the model answers and
+    # stops.
     # Before: train.py set thinking from the vocabulary alone, so this scored 0.0 in every group.
     path = tmp_path / "q.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")

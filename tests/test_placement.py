@@ -46,7 +46,7 @@ CONFIGS = {  # the public Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json sizes
         **QWEN3,
     ),
 }
-# the qwen3 presets (config.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
+# the qwen3 presets (presets.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
 PAPER = dict(
     cuda_visible_devices=None,
     generator_gpus=None,

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+import arith
 import data
 import reward
 import tiny
@@ -43,7 +44,7 @@ def test_tokenizer_and_template(tok):
 
 
 def test_warm_start_example_masks(tok):
-    item = data.ArithItem(
+    item = arith.ArithItem(
         start=1, add=2, times=15
     )  # 15 additions, 150 thinking tokens: past any budget draw
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=1.0)
@@ -55,13 +56,13 @@ def test_warm_start_example_masks(tok):
     cut = (
         completion.index(phrase) - len("<think>") + 1
     )  # thinking tokens before the phrase: ASCII after <think>
-    assert data.ARITH_THINK_BUDGET[0] <= cut <= data.ARITH_THINK_BUDGET[1]
+    assert arith.ARITH_THINK_BUDGET[0] <= cut <= arith.ARITH_THINK_BUDGET[1]
     n_phrase = len(tok(phrase, add_special_tokens=False)["input_ids"])
     assert mask[prompt_len:] == [1] * cut + [0] * n_phrase + [1] * (
         len(ids) - prompt_len - cut - n_phrase
     )
     ids, mask = tiny.warm_start_example(tok, item, random.Random(0), slip=0.0, interrupt_frac=0.0)
-    assert tok.decode(ids[mask.index(1) :]) == data.arith_solution(item) + "<|im_end|>" and all(
+    assert tok.decode(ids[mask.index(1) :]) == arith.arith_solution(item) + "<|im_end|>" and all(
         mask[mask.index(1) :]
     )
 
@@ -130,7 +131,7 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
         tok,
         thinking=True,
         max_prompt_len=256,
-        instruction=data.ARITH_INSTRUCTION,
+        instruction=arith.ARITH_INSTRUCTION,
     )
     llm = LLM(
         model=built,
@@ -143,7 +144,7 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
     )
     try:
         budget = (
-            data.ARITH_THINK_BUDGET[1] + 16
+            arith.ARITH_THINK_BUDGET[1] + 16
         )  # the whole thinking budget plus an answer's room, no interruption
         inputs = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
         sampled = llm.generate(
@@ -192,7 +193,7 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
 def _heldout():
     """N_PROMPTS distinct RL-pool items: what train.py holds out, never seen by the warm start (the SFT pool)."""
     items, seen = [], set()
-    for item in data.arith_items(123, "rl"):
+    for item in arith.arith_items(123, "rl"):
         if item not in seen:
             seen.add(item)
             items.append(item)
