@@ -2,15 +2,16 @@
 
     python bench/sampler.py                # ~5 min on a 2-core CPU
 
-1. Throughput. A small Qwen3 whose weights make it write letters forever (attention/MLP outputs zeroed, a next-token
-   table in the tied embedding), so every rollout's thinking budget binds, the phrase is appended and the answer
-   budget binds too: the two-request interruption path at its most expensive. Baseline: plain `AsyncLLM.generate` on
-   the same engine, one request per rollout with max_tokens = that rollout's completion length (so the same total
-   tokens, the phrase decoded instead of prefilled), same prompts, same concurrency, same sampling settings. Prints
-   both tok/s and their ratio (target >= 0.8), interleaved runs so machine load hits both alike.
-2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then pause/reload/resume) on the tiny
-   model; then the bytes/s of saving and reloading a larger model, and from it the disk-path estimate for an 8B model
-   (16.4 GB in bf16).
+1. Throughput. A small Qwen3 whose weights make it write letters forever (attention/MLP outputs
+   zeroed, a next-token table in the tied embedding), so every rollout's thinking budget binds, the
+   phrase is appended and the answer budget binds too: the two-request interruption path at its
+   most expensive. Baseline: plain `AsyncLLM.generate` on the same engine, one request per rollout
+   with max_tokens = that rollout's completion length (so the same total tokens, the phrase decoded
+   instead of prefilled), same prompts, same concurrency, same sampling settings. Prints both tok/s
+   and their ratio (target >= 0.8), interleaved runs so machine load hits both alike.
+2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then
+   pause/reload/resume) on the tiny model; then the bytes/s of saving and reloading a larger model,
+   and from it the disk-path estimate for an 8B model (16.4 GB in bf16).
 """
 
 import argparse
@@ -34,10 +35,11 @@ BYTES_8B = 8.19e9 * 2  # Qwen3-8B parameters x bf16
 
 
 def letters_model(path: str, **config) -> str:
-    """A random small Qwen3 whose next token is a uniformly random lowercase letter whatever the context: attention
-    and MLP outputs are zeroed, so the last hidden state is RMSNorm(embed[x]); one-hot embeddings (letters e1, the
-    rest e0) and final-norm weights (-4, 4) give logits sqrt(H) * (-4 for non-letters after a non-letter, +4 for
-    letters after a letter, else 0): letters win by 4 sqrt(H) = 32 nats at H = 64."""
+    """A random small Qwen3 whose next token is a uniformly random lowercase letter whatever the
+    context: attention and MLP outputs are zeroed, so the last hidden state is RMSNorm(embed[x]);
+    one-hot embeddings (letters e1, the rest e0) and final-norm weights (-4, 4) give logits sqrt(H)
+    * (-4 for non-letters after a non-letter, +4 for letters after a letter, else 0): letters win by
+    4 sqrt(H) = 32 nats at H = 64."""
     tiny.random_model(path, **config)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     letters = list(range(ord("a"), ord("z") + 1))
@@ -48,7 +50,8 @@ def letters_model(path: str, **config) -> str:
         embed = model.model.embed_tokens.weight  # tied: also the LM head
         embed.zero_()
         embed[:, 0] = 1.0
-        embed[letters, 0], embed[letters, 1] = 0.0, 1.0
+        embed[letters, 0] = 0.0
+        embed[letters, 1] = 1.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[:2] = torch.tensor([-4.0, 4.0])
     model.save_pretrained(path)
@@ -56,6 +59,8 @@ def letters_model(path: str, **config) -> str:
 
 
 async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
+    """Median tok/s over `reps` interleaved runs of the interrupted rollouts and of the plain
+    baseline (`{"interrupted", "plain", "interrupted (sampled only)"}`), and the tokens of a run."""
     from vllm import SamplingParams, TokensPrompt
 
     async def interrupted():
@@ -108,10 +113,12 @@ def dir_bytes(path):
 
 
 async def update_latency(sampler, model_dir, reps):
-    """(save seconds, reload seconds, bytes) medians: save_pretrained to shm, then Sampler.update_weights."""
+    """(save seconds, reload seconds, bytes) medians: save_pretrained to shm, then
+    Sampler.update_weights."""
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    saves, loads = [], []
+    saves = []
+    loads = []
     with tempfile.TemporaryDirectory(dir=shm) as root:
         for i in range(reps):
             out = os.path.join(root, f"step{i}")
@@ -126,19 +133,19 @@ async def update_latency(sampler, model_dir, reps):
     return statistics.median(saves), statistics.median(loads), size
 
 
-async def main(args, work):
+def chat_prompts(n: int) -> list[list[int]]:
+    """n short arithmetic questions through the tiny tokenizer's chat template, as token ids."""
     tok = tiny.build_tokenizer()
-    chats = [
-        [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}]
-        for i in range(args.prompts)
-    ]
-    prompts = [
-        tok.encode(
-            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-        for chat in chats
-    ]
+    prompts = []
+    for i in range(n):
+        chat = [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    return prompts
+
+
+async def bench_letters(args, prompts, work):
+    """Part 1 (throughput, interrupted vs plain) and the tiny model's weight-update latency."""
     path = letters_model(
         os.path.join(work, "letters"), hidden_size=args.hidden, num_layers=args.layers, max_len=2048
     )
@@ -151,28 +158,32 @@ async def main(args, work):
         seed=0,
     )
     try:
+        budget = (args.think_lo, args.think_hi)
         rates, total = await throughput(
-            sampler, prompts, args.group, (args.think_lo, args.think_hi), args.answer, args.reps
+            sampler, prompts, args.group, budget, args.answer, args.reps
         )
         print(
-            f"throughput: {args.prompts} prompts x {args.group} rollouts, thinking budget [{args.think_lo}, "
-            f"{args.think_hi}], answer {args.answer}, phrase {len(sampler.phrase_ids)} tokens; {total} tokens a run"
+            f"throughput: {args.prompts} prompts x {args.group} rollouts, thinking budget "
+            f"[{args.think_lo}, {args.think_hi}], answer {args.answer}, "
+            f"phrase {len(sampler.phrase_ids)} tokens; {total} tokens a run"
         )
         for name, rate in rates.items():
             print(f"  {name:28s} {rate:8.0f} tok/s")
-        print(
-            f"  ratio interrupted / plain     {rates['interrupted'] / rates['plain']:.2f}  (target >= 0.80)"
-        )
-        print(
-            f"  ratio, sampled tokens only    {rates['interrupted (sampled only)'] / rates['plain']:.2f}"
-        )
+        ratio = rates["interrupted"] / rates["plain"]
+        print(f"  ratio interrupted / plain     {ratio:.2f}  (target >= 0.80)")
+        sampled_ratio = rates["interrupted (sampled only)"] / rates["plain"]
+        print(f"  ratio, sampled tokens only    {sampled_ratio:.2f}")
         save, load, size = await update_latency(sampler, path, args.reps + 2)
         print(
-            f"weight update, tiny model ({size / 1e6:.2f} MB): save {save * 1e3:.0f} ms + update_weights "
-            f"{load * 1e3:.0f} ms"
+            f"weight update, tiny model ({size / 1e6:.2f} MB): save {save * 1e3:.0f} ms + "
+            f"update_weights {load * 1e3:.0f} ms"
         )
     finally:
         sampler.shutdown()
+
+
+async def bench_big_update(args, prompts, work):
+    """Part 2: save and reload bytes/s on a larger model, and the 8B disk-path estimate."""
     big = tiny.random_model(
         os.path.join(work, "big"),
         hidden_size=args.big_hidden,
@@ -191,13 +202,20 @@ async def main(args, work):
     finally:
         sampler.shutdown()
     print(
-        f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s ({size / save / 1e9:.2f} GB/s), "
-        f"update_weights {load:.2f} s ({size / load / 1e9:.2f} GB/s)"
+        f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s "
+        f"({size / save / 1e9:.2f} GB/s), update_weights {load:.2f} s "
+        f"({size / load / 1e9:.2f} GB/s)"
     )
     print(
-        f"estimate for an 8B model via disk (16.4 GB bf16): save {BYTES_8B / (size / save):.0f} s + "
-        f"update_weights {BYTES_8B / (size / load):.0f} s at these rates (CPU, fp32 files)"
+        f"estimate for an 8B model via disk (16.4 GB bf16): save {BYTES_8B / (size / save):.0f} s "
+        f"+ update_weights {BYTES_8B / (size / load):.0f} s at these rates (CPU, fp32 files)"
     )
+
+
+async def main(args, work):
+    prompts = chat_prompts(args.prompts)
+    await bench_letters(args, prompts, work)
+    await bench_big_update(args, prompts, work)
 
 
 if __name__ == "__main__":

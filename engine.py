@@ -1,0 +1,393 @@
+"""The vLLM engine under `generate.Sampler`: its arguments, processes, and where new weights land.
+
+Part of the ScaleRL generator (arXiv 2510.13786): PipelineRL in-flight weight updates (§3.1, A.11)
+and the FP32 LM head (§3.2, A.19). A `generate.Sampler` is an `Engine`: one `AsyncLLM` built from
+`engine_args` and started in processes of its own (`start_engine`). vLLM adds `WorkerExtension`'s
+methods to each of its workers, where weight updates load. Each reach into vLLM's internals is one
+named function with the vLLM version it was checked on, pinned by `pytest tests/test_generate.py`.
+
+Where it departs from the paper, and why (the paper does not say how its generators take weights):
+1. New weights reach the engine from disk (a safetensors directory and vLLM's `reload_weights`)
+   everywhere, or by NCCL from trainer rank 0 when the generator has GPUs of its own
+   (`weight_transfer_backend`); the NCCL path is written against vLLM `NCCL_CHECKED_ON` and has not
+   run on a GPU yet.
+"""
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import psutil  # a vLLM dependency
+import torch
+import vllm
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is given
+
+# seconds Engine.shutdown waits in all for the engine's processes before killing them
+SHUTDOWN_TIMEOUT = 20.0
+# vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
+NCCL_CHECKED_ON = "0.32"
+# os.environ is the process's: engines started from two threads at once must not mix their variables
+_SPAWN_LOCK = threading.Lock()
+
+
+def weight_transfer_backend(
+    requested: str = "auto",
+    *,
+    cuda: bool,
+    dedicated: bool,
+    vllm_version: str = vllm.__version__,
+) -> str:
+    """How new weights reach the engine, decided once from the placement and used by both sides:
+    "disk" (a safetensors directory + vLLM `reload_weights`; works everywhere) or "nccl" (vLLM's
+    weight-transfer engine, broadcast from trainer rank 0; CUDA only, and only when the generator
+    has GPUs of its own: NCCL cannot put the sender and a receiver on one GPU). "auto" picks "nccl"
+    on CUDA with `dedicated` generator GPUs when vLLM is the minor version the NCCL path was written
+    against (`NCCL_CHECKED_ON`), "disk" otherwise. Raises ValueError for an unknown name, or "nccl"
+    without CUDA, on a shared GPU or on another vLLM version."""
+    if requested not in ("auto", "disk", "nccl"):
+        raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
+    nccl_ok = cuda and dedicated and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
+    if requested == "nccl" and not nccl_ok:
+        raise ValueError(
+            f"weight_transfer='nccl' needs CUDA, generator GPUs no trainer rank uses and vLLM "
+            f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); "
+            "use 'disk'"
+        )
+    if requested != "auto":
+        return requested
+    return "nccl" if nccl_ok else "disk"
+
+
+def engine_args(
+    model: str,
+    *,
+    cuda: bool,
+    seed: int = 0,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_gib: float | None = None,
+    weight_transfer: str = "disk",
+    fp32_head: bool = True,
+) -> AsyncEngineArgs:
+    """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults:
+    eager mode and a 1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory);
+    GPU: CUDA graphs, 85% memory. fp32_head=False leaves the LM head in the model dtype (the
+    paper's `loo-fp32` ablation)."""
+    if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
+        kv_cache_gib = CPU_KV_CACHE_GIB
+    kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
+    # FP32 LM head in the generator (§3.2, A.19)
+    head = {"head_dtype": "float32"} if fp32_head else None
+    return AsyncEngineArgs(
+        model=model,
+        seed=seed,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization or 0.85,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enforce_eager=not cuda,
+        # the answer phase of an interrupted rollout reuses its thinking's KV
+        enable_prefix_caching=True,
+        # log-probs of the distribution actually sampled (after temperature)
+        logprobs_mode="processed_logprobs",
+        hf_overrides=head,
+        weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
+        use_tqdm_on_load=False,  # no loading bars at every in-flight weight update
+        # vLLM's public hook for extra collective_rpc methods
+        worker_extension_cls=f"{__name__}.WorkerExtension",
+        disable_log_stats=True,
+    )
+
+
+def versions_from_spans(spans, n: int) -> list[int]:
+    """Expand vLLM's weight-version spans of one request (`CompletionOutput.weight_versions`, vLLM
+    >= 0.32: version labels over [start, end) output-token ranges, stamped by the engine core, which
+    only changes labels while paused) into one int per token. Raises RuntimeError unless the spans
+    tile [0, n) exactly."""
+    out: list[int] = []
+    for span in spans or []:
+        if span.start != len(out):
+            break
+        out += [int(span.version)] * (span.end - span.start)
+    if len(out) != n:
+        raise RuntimeError(f"weight-version spans {spans} do not cover the {n} generated tokens")
+    return out
+
+
+def renice(pids, nice: int) -> int:
+    """Set the nice value of every thread of the processes `pids` to `nice` (only ever lowering
+    their priority: no privilege needed for our own children). Linux keeps a nice value per thread,
+    and a thread inherits its starter's, so threads started later follow. Returns the threads
+    changed; processes or threads gone meanwhile are skipped."""
+    changed = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for t in psutil.Process(pid).threads():
+                with contextlib.suppress(OSError):  # the thread ended
+                    if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
+                        os.setpriority(os.PRIO_PROCESS, t.id, nice)
+                    changed += 1
+    return changed
+
+
+def start_engine(
+    args: AsyncEngineArgs, env: dict[str, str], nice: int = 0
+) -> tuple[AsyncLLM, list[multiprocessing.Process], list[psutil.Process]]:
+    """Start vLLM's `AsyncLLM` from `args`, with the variables `env` in os.environ while its
+    processes spawn (they inherit them; this process's own are put back after). nice: if not 0,
+    `renice` every thread of the new processes. Returns the engine, its processes (this process's
+    children) and theirs (vLLM's workers), for `Engine.shutdown`. Raises vLLM's errors."""
+    with _SPAWN_LOCK:
+        before = multiprocessing.active_children()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            engine = AsyncLLM.from_engine_args(args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+        # listed under the lock, so another thread's engine is not counted as ours
+        procs = [p for p in multiprocessing.active_children() if p not in before]
+        workers = []
+        for p in procs:
+            if p.is_alive():
+                workers += psutil.Process(p.pid).children(True)
+    if nice:
+        renice([p.pid for p in procs] + [w.pid for w in workers], nice)
+    return engine, procs, workers
+
+
+class Engine:
+    """A vLLM engine (`AsyncLLM`, as `self.engine`) in processes of its own, which `dead` watches
+    and `shutdown` stops; `generate.Sampler` is one. Arguments:
+      model: a local directory or a hub id, with its tokenizer. seed: the engine's seed.
+      gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set
+        to them while they are spawned (this process's CUDA is unaffected); placement.plan maps
+        visible indices to these.
+      weight_transfer: "disk" or "nccl" (`generate.Sampler.sync_client`), decided by the caller
+        from the placement with `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no
+        trainer uses.
+      nice: CPU priority of the engine's processes, every thread (`renice`; 19 = the lowest), for
+        an engine that shares the CPU with the trainer (the eval engine on CPU).
+      env: environment variables for the engine's processes (set while they start), e.g.
+        VLLM_CPU_OMP_THREADS_BIND (`generate.cpu_bind`) for an engine with fewer threads.
+      **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
+        data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
+    Raises ValueError for bad settings, vLLM's errors at engine start.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        seed: int = 0,
+        gpus: list[int | str] | None = None,
+        weight_transfer: str = "disk",
+        nice: int = 0,
+        env: dict[str, str] | None = None,
+        **engine,
+    ):
+        devices = engine.get("tensor_parallel_size", 1) * engine.get("data_parallel_size", 1)
+        if gpus is not None and len(gpus) != devices:
+            raise ValueError(
+                f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices"
+            )
+        cuda = torch.cuda.is_available()
+        self.weight_transfer = weight_transfer_backend(
+            weight_transfer, cuda=cuda, dedicated=gpus is not None
+        )
+        args = engine_args(
+            model, cuda=cuda, seed=seed, weight_transfer=self.weight_transfer, **engine
+        )
+        env = dict(env or {})
+        if gpus is not None:  # inherited by the engine processes spawned below
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        # shutdown() ends _procs (our children) and _workers (theirs: vLLM's workers)
+        self.engine, self._procs, self._workers = start_engine(args, env, nice)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config
+        after start (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many
+        never preempt one another."""
+        config = self.engine.vllm_config
+        blocks = config.cache_config.num_gpu_blocks or 0
+        blocks //= config.parallel_config.data_parallel_size
+        return blocks * config.cache_config.block_size // config.model_config.max_model_len
+
+    def dead(self) -> str | None:
+        """Why the engine can no longer serve (shut down; its client saw it die; one of its
+        processes exited), or None while it can. Any thread; cheap enough to poll."""
+        if self.engine is None:
+            return "the vLLM engine is shut down"
+        if self.engine.errored:
+            return "the vLLM engine died"
+        exited = [
+            f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None
+        ]
+        return f"vLLM engine process {', '.join(exited)} exited" if exited else None
+
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        """Stop the engine and wait for its processes to end (idempotent; safe from any thread).
+        vLLM's own shutdown can return while its engine-core process is still exiting; what is
+        alive after `timeout` s in all is killed, so no process outlives this call (which returns
+        within about timeout + 2 s)."""
+        deadline = time.monotonic() + timeout
+        left = lambda: max(0.0, deadline - time.monotonic())
+        if self.engine is not None:
+            logger = logging.getLogger("vllm")
+            level = logger.level
+            logger.setLevel(logging.CRITICAL)  # a dying engine core's errors are expected
+            try:
+                self.engine.shutdown(timeout=min(5.0, left()))  # vLLM's own default grace: 5 s
+            finally:
+                logger.setLevel(level)
+            self.engine = None
+        # our children: join them, so multiprocessing reaps them
+        for proc in self._procs:
+            proc.join(left())
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        # their children (vLLM workers)
+        for proc in psutil.wait_procs(self._workers, timeout=left())[1]:
+            proc.kill()
+        self._procs = []
+        self._workers = []
+
+
+class _NothingToReload(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
+    vLLM 0.32) for the layers a checkpoint never holds, so that every in-flight update does not
+    read as a failed one. vLLM logs it for a layer with tensors that received no weights in a
+    reload, and then puts the layer's existing tensors back: right for RotaryEmbedding (its cos/sin
+    cache is a computed buffer, in no checkpoint) and for a tied ParallelLMHead (its weight is the
+    embedding's, saved once, as checkpoint.export_weights does). Any other layer, and the head of an
+    untied model, still warns."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args[0] in self.quiet)
+
+
+def quiet_reload_warnings(tied: bool) -> None:
+    """Install `_NothingToReload` on vLLM's reload logger in this process (once)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _NothingToReload) for f in logger.filters):
+        logger.addFilter(_NothingToReload(tied))
+
+
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (engine argument `worker_extension_cls`), run by
+    `collective_rpc`."""
+
+    def ignore_sigint(self) -> None:
+        """Ignore SIGINT in this worker. A terminal's Ctrl-C reaches every process of its foreground
+        group, the engine's too; vLLM's worker handler (worker_main, checked on vLLM 0.32) then ends
+        the worker mid-step, and its engine core fails with pages of tracebacks. Ignoring it, the
+        engine core (its own SIGINT handler) aborts its requests and stops its workers with
+        SIGTERM, or, with the worker in the engine-core process (one device), the engine serves on
+        and the trainer stops it (Sampler.shutdown). RPCs run in the worker's main thread, as
+        signal.signal requires; pinned by tests/test_generate.py."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def reload_weights_retie(self, weights_path: str) -> None:
+        """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`). The warnings vLLM
+        logs for the layers a checkpoint never holds are dropped (`_NothingToReload`)."""
+        model = self.model_runner.get_model()
+        quiet_reload_warnings(bool(model.config.tie_word_embeddings))
+        self.reload_weights(weights_path=weights_path)
+        self._retie()
+
+    def load_named_weights(self, path: str, chunk: int = 4) -> None:
+        """What vLLM's NCCL weight-transfer engine does with what it receives
+        (NCCLWeightTransferEngine, vLLM 0.32: start_weight_update, then `model.load_weights` once
+        per received buffer, then finish_weight_update), fed from a torch.save'd list of (name,
+        tensor) pairs instead of a broadcast, `chunk` pairs per call, so the names and tensors the
+        trainer would send are checked by the real model loader where there is no GPU."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        pairs = torch.load(path, weights_only=True)
+        model = self.model_runner.get_model()
+        quiet_reload_warnings(bool(model.config.tie_word_embeddings))
+        initialize_layerwise_reload(model)
+        for i in range(0, len(pairs), chunk):
+            model.load_weights(pairs[i : i + chunk])
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        self._retie()
+
+    def parameter_names(self) -> list[str]:
+        """The engine model's own parameter names (stacked qkv_proj / gate_up_proj), for tests."""
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]
+
+    def _retie(self) -> None:
+        """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned
+        by the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding
+        the head shares, but the head loads no weights of its own, so its GEMM keeps the copy
+        `dispatch_cpu_unquantized_gemm` prepacked from the old weights; re-running
+        `process_weights_after_loading` repacks it (on GPU it does nothing)."""
+        model = self.model_runner.get_model()
+        head = model.lm_head
+        if (
+            model.config.tie_word_embeddings
+            and type(head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+        ):
+            head.quant_method.process_weights_after_loading(head)
+
+
+class SyncClient:
+    """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on
+    vLLM 0.32) over a `generate.Sampler` whose engine runs in another thread's loop; each call
+    blocks until done. The whole engine-side update happens in `update_weights` (the NCCL backend
+    sends one payload per round), so the pause spans exactly that."""
+
+    def __init__(self, sampler, loop: asyncio.AbstractEventLoop):
+        self.sampler, self.engine = sampler, sampler.engine
+        self._call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call(
+            self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        )
+
+    def start_weight_update(self) -> None:
+        pass  # done inside update_weights, under the pause
+
+    def update_weights(self, update_info) -> None:
+        async def transfer():
+            await self.engine.start_weight_update()
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self.engine.finish_weight_update()
+
+        self._call(self.sampler._swap(transfer()))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass  # done inside update_weights; the version label is Sampler.version, not the trainer's
