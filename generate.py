@@ -406,7 +406,14 @@ class Sampler:
             temperature,
         )
         self.interruptions = interruptions
+        # the version label of the loaded weights, which every sampled token carries: the trainer's
+        # version once a pipeline labels them (set_version, update_weights), else a count of loads
         self.version = 0
+        # the label of the next NCCL update (_SyncClient), set by pipeline.Pipeline.publish_by
+        self.next_version: int | None = None
+        # weight loads and relabels so far, for the prefix-cache salt (departure 4): unique per
+        # weights even where a label repeats (a borrowed engine relabelled by a new pipeline)
+        self.loads = 0
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -566,28 +573,42 @@ class Sampler:
             self.tokenizer.decode(ids, skip_special_tokens=True),
         )
 
-    async def update_weights(self, weights_dir: str) -> int:
-        """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible) into the running
-        engine (PipelineRL, §3.1): pause with mode "keep" (requests stay scheduled; their KV cache is kept, not
-        recomputed), reload, bump the version, resume. Returns the new version, which tokens sampled from now on carry.
-        Raises FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if loading fails."""
+    async def update_weights(self, weights_dir: str, version: int | None = None) -> int:
+        """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible)
+        into the running engine (PipelineRL, §3.1): pause with mode "keep" (requests stay
+        scheduled; their KV cache is kept, not recomputed), reload, relabel, resume. `version`: the
+        label tokens sampled from these weights carry (a pipeline passes the trainer's version);
+        None: the current label + 1 (callers that count loads). Returns the new label. Raises
+        FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if
+        loading fails."""
         if not os.path.isdir(weights_dir) or not any(
             f.endswith(".safetensors") for f in os.listdir(weights_dir)
         ):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
         path = os.path.abspath(weights_dir)
-        return await self._swap(self.engine.collective_rpc("reload_weights_retie", args=(path,)))
+        load = self.engine.collective_rpc("reload_weights_retie", args=(path,))
+        return await self._swap(load, version)
 
-    async def _swap(self, load) -> int:
-        """Pause (mode "keep", PipelineRL), await `load`, bump the version, resume (also if `load` fails)."""
+    async def set_version(self, version: int) -> None:
+        """Relabel the loaded weights as `version` (a pipeline starting on them labels them with
+        the trainer's start version): tokens sampled from now on carry it; paused like a load."""
+        await self._swap(asyncio.sleep(0), version)
+
+    async def _swap(self, load, version: int | None = None) -> int:
+        """Pause (mode "keep", PipelineRL), await `load`, label the weights `version` (None: the
+        current label + 1), resume (also if `load` fails). Returns the new label."""
         async with self._update_lock:
-            try:  # the pause is inside: a cancellation during its RPC must still resume, or the engine stays paused
+            # the pause is inside the try: a cancellation during its RPC must still resume, or the
+            # engine stays paused
+            try:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 await load
-                self.version += 1
-                await self.engine.update_weight_version(
-                    str(self.version)
-                )  # labels tokens from the next step on
+                if version is None:  # a caller that counts loads
+                    version = self.version + 1
+                self.version = version
+                self.loads += 1
+                # labels the tokens from the engine's next step on
+                await self.engine.update_weight_version(str(self.version))
             finally:
                 await self.engine.resume_generation()
         return self.version
@@ -692,7 +713,8 @@ class _SyncClient:
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
             await self.engine.finish_weight_update()
 
-        self._call(self.sampler._swap(transfer()))
+        # labelled with the trainer's version that pipeline.Pipeline.publish_by set (None: + 1)
+        self._call(self.sampler._swap(transfer(), self.sampler.next_version))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        pass  # done inside update_weights; the version label is Sampler.version, not the trainer's
+        pass  # done inside update_weights, which labels the weights with Sampler.next_version
