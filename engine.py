@@ -387,7 +387,8 @@ class SyncClient:
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
             await self.engine.finish_weight_update()
 
-        self._call(self.sampler._swap(transfer()))
+        # labelled with the trainer's version that pipeline.Pipeline.publish_by set (None: + 1)
+        self._call(self.sampler._swap(transfer(), self.sampler.next_version))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        pass  # done inside update_weights; the version label is Sampler.version, not the trainer's
+        pass  # done inside update_weights, which labels the weights with Sampler.next_version

@@ -26,8 +26,8 @@ Where it departs from the paper, and why:
    rollout as is (no phrase, no resample: its reward will be 0); an answer that hits its budget is
    marked `truncated` (the loss decides).
 4. In-flight updates keep running requests' KV cache (PipelineRL), but a rollout never reuses
-   prefix-cache blocks of rollouts started under older weights: the cache salt is the version at
-   the rollout's start.
+   prefix-cache blocks of rollouts started under older weights: the cache salt is the count of
+   weight loads at the rollout's start.
 5. Plain temperature sampling (1.0 by default); top-p / top-k are rejected since they bias the
    importance ratio by the kept mass. The paper states no sampling parameters.
 """
@@ -167,7 +167,14 @@ class Sampler(Engine):
         self.answer_budget = answer_budget
         self.temperature = temperature
         self.interruptions = interruptions
+        # the version label of the loaded weights, which every sampled token carries: the trainer's
+        # version once a pipeline labels them (set_version, update_weights), else a count of loads
         self.version = 0
+        # the label of the next NCCL update (engine.SyncClient), set by pipeline.Pipeline.publish_by
+        self.next_version: int | None = None
+        # weight loads and relabels so far, for the prefix-cache salt (departure 4): unique per
+        # weights even where a label repeats (a borrowed engine relabelled by a new pipeline)
+        self.loads = 0
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -237,7 +244,7 @@ class Sampler(Engine):
             # loo-lp: the whole budget in one phase, never a phrase
             thinking = False
             answer_budget = hi + answer_budget
-        salt = str(self.version)  # departure 4: no reuse of KV blocks computed under older weights
+        salt = str(self.loads)  # departure 4: no reuse of KV blocks computed under older weights
         # one failure cancels (and so aborts) the other rollouts
         async with asyncio.TaskGroup() as group:
             tasks = []
@@ -345,28 +352,42 @@ class Sampler(Engine):
             text=self.tokenizer.decode(tokens.ids, skip_special_tokens=True),
         )
 
-    async def update_weights(self, weights_dir: str) -> int:
-        """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible) into the running
-        engine (PipelineRL, §3.1): pause with mode "keep" (requests stay scheduled; their KV cache is kept, not
-        recomputed), reload, bump the version, resume. Returns the new version, which tokens sampled from now on carry.
-        Raises FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if loading fails."""
+    async def update_weights(self, weights_dir: str, version: int | None = None) -> int:
+        """Load a safetensors directory (e.g. `save_pretrained` output, on /dev/shm where possible)
+        into the running engine (PipelineRL, §3.1): pause with mode "keep" (requests stay
+        scheduled; their KV cache is kept, not recomputed), reload, relabel, resume. `version`: the
+        label tokens sampled from these weights carry (a pipeline passes the trainer's version);
+        None: the current label + 1 (callers that count loads). Returns the new label. Raises
+        FileNotFoundError if there is no *.safetensors file (before pausing); vLLM's error if
+        loading fails."""
         if not os.path.isdir(weights_dir) or not any(
             f.endswith(".safetensors") for f in os.listdir(weights_dir)
         ):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
         path = os.path.abspath(weights_dir)
-        return await self._swap(self.engine.collective_rpc("reload_weights_retie", args=(path,)))
+        load = self.engine.collective_rpc("reload_weights_retie", args=(path,))
+        return await self._swap(load, version)
 
-    async def _swap(self, load) -> int:
-        """Pause (mode "keep", PipelineRL), await `load`, bump the version, resume (also if `load` fails)."""
+    async def set_version(self, version: int) -> None:
+        """Relabel the loaded weights as `version` (a pipeline starting on them labels them with
+        the trainer's start version): tokens sampled from now on carry it; paused like a load."""
+        await self._swap(asyncio.sleep(0), version)
+
+    async def _swap(self, load, version: int | None = None) -> int:
+        """Pause (mode "keep", PipelineRL), await `load`, label the weights `version` (None: the
+        current label + 1), resume (also if `load` fails). Returns the new label."""
         async with self._update_lock:
-            try:  # the pause is inside: a cancellation during its RPC must still resume, or the engine stays paused
+            # the pause is inside the try: a cancellation during its RPC must still resume, or the
+            # engine stays paused
+            try:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 await load
-                self.version += 1
-                await self.engine.update_weight_version(
-                    str(self.version)
-                )  # labels tokens from the next step on
+                if version is None:  # a caller that counts loads
+                    version = self.version + 1
+                self.version = version
+                self.loads += 1
+                # labels the tokens from the engine's next step on
+                await self.engine.update_weight_version(str(self.version))
             finally:
                 await self.engine.resume_generation()
         return self.version
@@ -377,7 +398,8 @@ class Sampler(Engine):
         trainer rank builds that engine once with `checkpoint.nccl_sender(...,
         client=sampler.sync_client(loop) on rank 0, None elsewhere)` and calls its `send_weights()`
         after each step (through `pipeline.Pipeline.publish_by` on rank 0); the client pauses,
-        receives the broadcast, bumps the version and resumes as `update_weights` does. What the
+        receives the broadcast, labels the weights with Sampler.next_version and resumes as
+        `update_weights` does. What the
         engine does with the received names and tensors runs on CPU in
         `engine.WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was built
         with weight_transfer "nccl"."""

