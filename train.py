@@ -529,7 +529,7 @@ def first_nonfinite_sample(records, S: int, device) -> int:
     first = S
     for sample, logp, l in records:
         bad = ~torch.isfinite(logp.cpu())  # (N,)
-        if not torch.isfinite(l):
+        if not torch.isfinite(l):  # the loss has no sample: blame the micro-batch's first
             first = min(first, int(sample.min()))
         elif bad.any():
             first = min(first, int(sample.cpu()[bad].min()))
@@ -573,8 +573,10 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     gradient norm is not finite (naming the first such batch sample)."""
     rank = dist.get_rank()
     world = dist.get_world_size()
+    # on the whole batch (§4), so that the micro-batches of all ranks sum to the full-batch loss
     adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
     weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
+    # once per step on the CPU: on a GPU each check would sync the host once per micro-batch
     check_batch(batch, weights, policy.lm.get_output_embeddings().weight.shape[0])
     S, T = batch["input_ids"].shape
     lengths = batch["attention_mask"].sum(1)  # (S,)
@@ -601,6 +603,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
             finite &= torch.isfinite(logp).all()
         records.append((mb["sample"], logp.detach(), l.detach()))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    # under FSDP2 the norm is a DTensor: full_tensor() is its global value, the same on every rank
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     finite &= torch.isfinite(grad_norm)
     metrics, finite = reduce_metrics(sums, extremes, finite, grad_norm)
