@@ -1,21 +1,23 @@
-"""ScaleRL's loss math: fp32-head token log-probs, advantages, aggregation weights, CISPO / GSPO / DAPO / GRPO.
+"""ScaleRL's loss math: fp32-head token log-probs, advantages, aggregation weights, and the CISPO
+/ GSPO / DAPO / GRPO losses.
 
-Implements arXiv 2510.13786 §3.2 and §4 (digest: PAPER.md sections 1-3 and 5): the fp32 LM head (§3.2, Fig 5b),
-group-centred advantages with batch / prompt / no normalization (A.9), prompt / sample / token loss aggregation
-(A.9, Eq. 8) and the four losses (Eq. 4, A.2, A.17). Pure: tensors in, tensors out. One training step in
-train.py calls group_advantages and aggregation_weights once on the whole batch, then per micro-batch
-completion_logprobs -> policy_loss -> backward. Exercised by `python -m pytest tests/test_loss.py` and
-`python bench/logprobs.py`.
+Implements arXiv 2510.13786 §3.2 and §4 (digest: PAPER.md sections 1-3 and 5): the fp32 LM head
+(§3.2, Fig 5b), group-centred advantages with batch / prompt / no normalization (A.9), prompt /
+sample / token loss aggregation (A.9, Eq. 8) and the four losses (Eq. 4, A.2, A.17). Pure: tensors
+in, tensors out. One training step in train.py calls group_advantages and aggregation_weights once
+on the whole batch, then per micro-batch token_logprobs (inside train.Policy) -> policy_loss ->
+backward. Exercised by `python -m pytest tests/test_loss.py` and `python bench/logprobs.py`.
 
 Where this departs from the paper, and why:
-1. GSPO's sequence ratio is length-normalized, exp(mean over valid tokens of log rho) (GSPO, arXiv 2507.18071).
-   The paper writes the ratio without the 1/|y| exponent, but its 1e-3 clip widths only make sense normalized.
-2. No epsilon is added to an advantage std (the paper writes std + eps). A std below 1e-6 counts as zero and
-   those advantages are exactly 0, so float residue of a zero-variance group is never blown up to unit size.
-   Both stds are population stds (the paper does not say which).
-3. `grpo` and `dapo` share one clipped surrogate. GRPO's symmetric eps, sample aggregation and prompt-level
-   normalization are the caller's choices of eps_high, agg and norm (A.2, Eqs. 7-8).
-4. P and S in the aggregation weights count only groups / samples with at least one valid token (the paper's
+1. GSPO's sequence ratio is length-normalized, exp(mean over valid tokens of log rho) (GSPO, arXiv
+   2507.18071). The paper writes the ratio without the 1/|y| exponent, but its 1e-3 clip widths
+   only make sense normalized.
+2. No epsilon is added to an advantage std (the paper writes std + eps). A std below 1e-6 counts as
+   zero and those advantages are exactly 0, so float residue of a zero-variance group is never
+   blown up to unit size. Both stds are population stds (the paper does not say which).
+3. `grpo` and `dapo` share one clipped surrogate. GRPO's symmetric eps, sample aggregation and
+   prompt-level normalization are the caller's choices of eps_high, agg and norm (A.2, Eqs. 7-8).
+4. P and S in the aggregation weights count only groups / samples with a valid token (the paper's
    batch-level 1/P is inferred from its prose, and an empty completion has no 1/|y| term).
 """
 
@@ -34,17 +36,13 @@ def _check(ok, msg, exc=ValueError):
 class _FP32HeadLogprobs(torch.autograd.Function):
     """log_softmax(hidden @ weight.T / temperature)[targets] in fp32, `chunk_size` rows at a time.
 
-    logp_n depends only on row n, so d logp_n / d hidden_n = (W[t_n] - softmax_n @ W) / temperature is formed in
-    forward as one (N, H) tensor and backward just scales it by the incoming gradient: the frozen-head path does
-    the same two matmuls as the naive one. The weight gradient needs the softmax again, so backward recomputes
-    each chunk's logits from the saved log-partition. The largest temporary is one (chunk, V) fp32 block.
-
-    Two fp32 heads. fp32 operands: every product in fp32 (the exact path, CPU training). bf16 / fp16
-    hidden and weight (FSDP2 mixed precision on GPU): the logits are one low-precision GEMM
-    accumulated and returned in fp32 (_mm_f32: tensor cores on CUDA), and the products with the
-    softmax (softmax @ W, dlogits.T @ hidden) take the softmax in the operands' dtype, accumulated
-    in fp32 (issue 11; measured on an H200 at N 16k, V 152k, H 4k: |d logp| 3.3e-5 vs float64,
-    against 6.2e-6 for the exact path, 9x faster).
+    logp_n depends only on row n, so d logp_n / d hidden_n = (W[t_n] - softmax_n @ W) / temperature
+    is formed in forward as one (N, H) tensor and backward just scales it by the incoming gradient:
+    the frozen-head path does the same two matmuls as the naive one. The weight gradient needs the
+    softmax again, so backward recomputes each chunk's logits from the saved log-partition. The
+    largest temporary is one (chunk, V) fp32 block. The two fp32 heads (fp32 or bf16 / fp16
+    operands) are token_logprobs'; the bf16-operand one measured on an H200 at N 16k, V 152k, H 4k:
+    |d logp| 3.3e-5 vs float64, against 6.2e-6 for the exact path, 9x faster (issue 11).
     """
 
     @staticmethod
@@ -97,7 +95,7 @@ class _FP32HeadLogprobs(torch.autograd.Function):
                 h = hidden[s:e] if low else hidden[s:e].float()  # (c, H)
                 t, gs = targets[s:e], g[s:e, None] / T  # (c,), (c, 1)
                 logits = _mm_f32(h, weight.T) if low else _matmul(h, w_head)  # (c, V) fp32
-                # d logp / d logits = (onehot(t) - softmax) / T, built in place in the recomputed logits
+                # d logp / d logits = (onehot(t) - softmax) / T, in place in the recomputed logits
                 dlogits = logits.div_(T).sub_(lse[s:e, None]).exp_().mul_(-gs)  # (c, V)
                 dlogits.scatter_add_(1, t[:, None], gs)
                 if low:
@@ -111,19 +109,15 @@ class _FP32HeadLogprobs(torch.autograd.Function):
 
 def _low_precision_operands(hidden, weight, head_dtype):
     """True when an fp32 head gets bf16 / fp16 hidden and weight of one dtype (tensor cores)."""
-    return (
-        head_dtype == torch.float32
-        and hidden.dtype == weight.dtype
-        and hidden.dtype in (torch.bfloat16, torch.float16)
-    )
+    low = hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+    return head_dtype == torch.float32 and low
 
 
 def _mm_f32(a, b):
     """(n, k) @ (k, m) -> (n, m) fp32 from bf16 / fp16 operands, accumulated in fp32: the one
     device-specific call of the head. CUDA: one tensor-core GEMM with fp32 output, `torch.mm(a, b,
     out_dtype=torch.float32)` (CUDA only in torch 2.11-2.13; fp32 out from fp16 / bf16 in).
-    Elsewhere: the same product of the exactly upcast operands, so CPU tests run every other line of
-    the CUDA path."""
+    Elsewhere: the product of the exactly upcast operands; CPU tests run the rest of the path."""
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
@@ -132,15 +126,16 @@ def _mm_f32(a, b):
 def _matmul(h, w_head):
     """(c, V) fp32 logits of fp32 rows h (c, H): in fp32, or rounded through w_head's dtype (the
     loo-fp32 ablation)."""
-    return (
-        h @ w_head.T if w_head.dtype == torch.float32 else (h.to(w_head.dtype) @ w_head.T).float()
-    )
+    if w_head.dtype == torch.float32:
+        return h @ w_head.T
+    return (h.to(w_head.dtype) @ w_head.T).float()
 
 
 def token_logprobs(
     hidden, weight, targets, temperature=1.0, chunk_size=1024, head_dtype=torch.float32
 ):
-    """Log-probabilities of `targets` under an fp32 LM head, without ever forming an (N, V) tensor (§3.2, Fig 5b).
+    """Log-probabilities of `targets` under an fp32 LM head, without ever forming an (N, V) tensor
+    (§3.2, Fig 5b).
 
     hidden (N, H) and weight (V, H) in any float dtype, targets (N,) integer ids in [0, V). Returns
     logp (N,) float32 = log_softmax(hidden @ weight.T / temperature)[targets], with fp32 logits,
@@ -155,61 +150,36 @@ def token_logprobs(
     weight (and for an fp32 copy of a bf16 weight under head_dtype=bf16).
     head_dtype=torch.bfloat16 (or float16) rounds the logits to that dtype instead, then log-softmax
     in fp32: the paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
-    Raises ValueError / TypeError on bad shapes, dtypes, devices, temperature, chunk_size or
-    head_dtype, and on ids outside [0, V) when targets are on the CPU (on an accelerator that scan
-    would cost a host sync on every call: train.train_step checks the whole batch's ids once per
-    step on the CPU instead).
+    Raises ValueError on bad shapes, temperature <= 0 or chunk_size < 1; TypeError on float or bool
+    targets, or another head_dtype. torch raises by itself on mixed devices and, on the CPU, on ids
+    outside [0, V) (RuntimeError); on an accelerator such an id is a device-side assert, so
+    train.train_step checks the whole batch's ids once per step, on the CPU.
     """
+    # each check stops what would pass silently: another head precision, float ids truncated by
+    # .long(), NaN or mirrored logits (temperature <= 0), an unwritten logp (no chunk to run)
     _check(
         head_dtype in (torch.float32, torch.bfloat16, torch.float16),
         f"head_dtype must be float32, bfloat16 or float16; got {head_dtype}",
         TypeError,
     )
+    shape = hidden.shape  # (N, H)
     _check(
-        hidden.dim() == 2 and weight.dim() == 2,
-        f"hidden must be (N, H) and weight (V, H); got "
-        f"{tuple(hidden.shape)} and {tuple(weight.shape)}",
+        len(shape) == 2 and weight.shape[1:] == shape[1:] and targets.shape == shape[:1],
+        f"hidden must be (N, H), weight (V, H) and targets (N,); got {tuple(shape)}, "
+        f"{tuple(weight.shape)}, {tuple(targets.shape)}",
     )
+    ids_ok = not targets.is_floating_point() and targets.dtype != torch.bool
+    _check(ids_ok, f"targets must be integer token ids; got {targets.dtype}", TypeError)
     _check(
-        hidden.shape[1] == weight.shape[1],
-        f"hidden size mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}",
+        temperature > 0 and int(chunk_size) >= 1,
+        f"need temperature > 0 and chunk_size >= 1; got {temperature}, {chunk_size}",
     )
-    _check(
-        hidden.is_floating_point() and weight.is_floating_point(),
-        f"hidden and weight must be float; got {hidden.dtype}, {weight.dtype}",
-        TypeError,
-    )
-    _check(
-        targets.shape == hidden.shape[:1],
-        f"targets must be ({hidden.shape[0]},); got {tuple(targets.shape)}",
-    )
-    _check(
-        not targets.is_floating_point() and targets.dtype != torch.bool,
-        f"targets must be integer token ids; got {targets.dtype}",
-        TypeError,
-    )
-    _check(
-        hidden.device == weight.device == targets.device,
-        "hidden, weight and targets must share a device",
-    )
-    _check(temperature > 0, f"temperature must be > 0; got {temperature}")
-    _check(int(chunk_size) >= 1, f"chunk_size must be >= 1; got {chunk_size}")
-    if targets.numel() and targets.device.type == "cpu":
-        lo, hi = int(targets.min()), int(targets.max())
-        _check(
-            lo >= 0 and hi < weight.shape[0],
-            f"targets must lie in [0, V={weight.shape[0]}); got [{lo}, {hi}]",
-        )
     grad_on = torch.is_grad_enabled()  # inside forward() grad mode is always off, so decide here
+    need_dh = grad_on and hidden.requires_grad
+    need_dw = grad_on and weight.requires_grad
+    ids = targets.long()
     return _FP32HeadLogprobs.apply(
-        hidden,
-        weight,
-        targets.long(),
-        float(temperature),
-        int(chunk_size),
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        head_dtype,
+        hidden, weight, ids, float(temperature), int(chunk_size), need_dh, need_dw, head_dtype
     )
 
 
@@ -218,19 +188,18 @@ def completion_logprobs(
 ):
     """Per-token log-probs of a right- or left-padded batch from a causal LM's final hidden states.
 
-    hidden (S, T, H) final-layer hidden states (after the last norm) for input_ids (S, T); weight (V, H) the LM
-    head; mask (S, T) bool, True on the tokens whose log-prob is wanted (the completion). Token t is predicted
-    from position t - 1. Returns logp (S, T) float32 aligned with input_ids: logp[s, t] = log p(input_ids[s, t] |
-    input_ids[s, :t]) where mask, exactly 0 elsewhere; only masked tokens go through the head (token_logprobs,
-    with its head_dtype).
-    Raises ValueError if shapes disagree or mask[:, 0] is set (the first token has no preceding position).
+    hidden (S, T, H) final-layer hidden states (after the last norm) for input_ids (S, T); weight
+    (V, H) the LM head; mask (S, T) bool, True on the tokens whose log-prob is wanted (the
+    completion). Token t is predicted from position t - 1. Returns logp (S, T) float32 aligned with
+    input_ids: logp[s, t] = log p(input_ids[s, t] | input_ids[s, :t]) where mask, exactly 0
+    elsewhere; only masked tokens go through the head (token_logprobs, with its head_dtype).
+    Raises ValueError if shapes disagree or mask[:, 0] is set (nothing predicts the first token).
     """
     _check(
         hidden.dim() == 3 and input_ids.shape == hidden.shape[:2] and mask.shape == input_ids.shape,
         f"need hidden (S, T, H), input_ids and mask (S, T); got {tuple(hidden.shape)}, "
         f"{tuple(input_ids.shape)}, {tuple(mask.shape)}",
     )
-    _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
     _check(
         not mask[:, 0].any(),
         "mask[:, 0] is True: the first token has no preceding position to predict it",
@@ -244,13 +213,15 @@ def completion_logprobs(
 
 
 def group_advantages(rewards, group_ids, norm="batch"):
-    """Group-centred advantages, normalized per batch, per prompt or not at all (§3.2, §4, A.9 Fig 14b).
+    """Group-centred advantages, normalized per batch, per prompt or not at all (§3.2, §4, A.9 Fig
+    14b).
 
-    rewards (S,) real, group_ids (S,) integer labels (any values; equal label = same prompt). Centres each
-    reward by its group mean; "batch" divides by the population std of the centred values over all S samples
-    passed in (ScaleRL, §4), "prompt" by the group's own population std (GRPO, Eq. 5), "none" leaves them
-    centred (Dr. GRPO). A group whose std is below 1e-6 gets exactly 0; if the batch std is below 1e-6 every
-    advantage is 0. Never NaN or inf. Returns (S,) float64 for float64 rewards, else float32.
+    rewards (S,) real, group_ids (S,) integer labels (any values; equal label = same prompt).
+    Centres each reward by its group mean; "batch" divides by the population std of the centred
+    values over all S samples passed in (ScaleRL, §4), "prompt" by the group's own population std
+    (GRPO, Eq. 5), "none" leaves them centred (Dr. GRPO). A group whose std is below 1e-6 gets
+    exactly 0; if the batch std is below 1e-6 every advantage is 0. Never NaN or inf. Returns (S,)
+    float64 for float64 rewards, else float32.
     Raises ValueError on an unknown norm, an empty batch, mismatched shapes or non-finite rewards.
     """
     _check(
@@ -258,12 +229,9 @@ def group_advantages(rewards, group_ids, norm="batch"):
         f"norm must be 'batch', 'prompt' or 'none'; got {norm!r}",
     )
     _check(
-        rewards.dim() == 1 and rewards.numel() > 0,
-        f"rewards must be a non-empty (S,); got {tuple(rewards.shape)}",
-    )
-    _check(
-        group_ids.shape == rewards.shape,
-        f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}",
+        rewards.dim() == 1 and rewards.numel() > 0 and group_ids.shape == rewards.shape,
+        f"rewards must be a non-empty (S,) and group_ids must match it; got "
+        f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}",
     )
     _check(
         not group_ids.is_floating_point(),
@@ -276,28 +244,27 @@ def group_advantages(rewards, group_ids, norm="batch"):
     count = torch.bincount(gid).double()  # (P,) samples in each group
     mean = torch.zeros_like(count).index_add_(0, gid, r) / count  # (P,) group mean reward
     centred = r - mean[gid]  # (S,)
-    std_g = (torch.zeros_like(count).index_add_(0, gid, centred**2) / count).sqrt()[
-        gid
-    ]  # (S,) group pop. std
+    var_g = torch.zeros_like(count).index_add_(0, gid, centred**2) / count  # (P,) pop. variance
+    std_g = var_g.sqrt()[gid]  # (S,) the population std of the sample's group
     adv = torch.where(std_g < STD_FLOOR, 0.0, centred)  # zero-variance group: exactly 0
     if norm == "prompt":
         adv = adv / std_g.clamp_min(STD_FLOOR)  # Eq. 5 without + eps; zeroed groups stay 0
     elif norm == "batch":
-        std_b = adv.std(
-            correction=0
-        )  # population std over the S samples passed in (§4: std of all A_i)
+        std_b = adv.std(correction=0)  # population std over the S samples (§4: std of all A_i)
         adv = adv / std_b if std_b >= STD_FLOOR else torch.zeros_like(adv)
     return adv.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
 def aggregation_weights(mask, group_ids, agg="prompt"):
-    """Per-token weights whose weighted sum of per-token terms is the loss (§3.2, A.9 Fig 14a, Eq. 8).
+    """Per-token weights whose weighted sum of per-token terms is the loss (§3.2, A.9 Fig 14a,
+    Eq. 8).
 
-    mask (S, T) bool (True on valid completion tokens), group_ids (S,) integer labels. Returns (S, T) float32,
-    0 where mask is False: "prompt" = 1 / (P * tokens in the sample's group) (ScaleRL, DAPO Eq. 8), "sample" =
-    1 / (S * tokens in the sample) (GRPO Eq. 7), "token" = 1 / (tokens in the batch). P and S count groups and
-    samples with at least one valid token, so the weights sum to 1 (or are all 0 if no token is valid).
-    Computed once on the whole batch: micro-batches and ranks sum their share and get the full-batch loss.
+    mask (S, T) bool (True on valid completion tokens), group_ids (S,) integer labels. Returns
+    (S, T) float32, 0 where mask is False: "prompt" = 1 / (P * tokens in the sample's group)
+    (ScaleRL, DAPO Eq. 8), "sample" = 1 / (S * tokens in the sample) (GRPO Eq. 7), "token" =
+    1 / (tokens in the batch). P and S count groups and samples with at least one valid token, so
+    the weights sum to 1 (or are all 0 if no token is valid). Computed once on the whole batch:
+    micro-batches and ranks sum their share and get the full-batch loss.
     Raises ValueError / TypeError on an unknown agg or bad shapes / dtypes.
     """
     _check(
@@ -306,8 +273,7 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
     )
     _check(
         mask.dim() == 2 and group_ids.shape == mask.shape[:1],
-        f"need mask (S, T) and group_ids (S,); got "
-        f"{tuple(mask.shape)} and {tuple(group_ids.shape)}",
+        f"need mask (S, T), group_ids (S,); got {tuple(mask.shape)} and {tuple(group_ids.shape)}",
     )
     _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
     _check(
@@ -322,19 +288,19 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
         denom = (lens > 0).sum() * lens  # (S,) samples with a token x this sample's tokens
     else:
         _, gid = torch.unique(group_ids, return_inverse=True)  # (S,) group index in 0..P-1
-        group_tokens = torch.zeros(int(gid.max()) + 1, dtype=torch.float64).index_add_(
-            0, gid, lens
-        )  # (P,)
-        denom = (group_tokens > 0).sum() * group_tokens[
-            gid
-        ]  # (S,) groups with a token x tokens in this group
+        P = int(gid.max()) + 1
+        group_tokens = torch.zeros(P, dtype=torch.float64).index_add_(0, gid, lens)  # (P,)
+        # (S,) groups with a token x tokens in this sample's group
+        denom = (group_tokens > 0).sum() * group_tokens[gid]
     return torch.where(mask, 1.0 / denom.clamp_min(1)[:, None], 0.0).float()  # (S, T)
 
 
 def check_values(old_logp: torch.Tensor, weights: torch.Tensor) -> None:
-    """The value checks of `policy_loss`, in one host sync: weights (S, T) >= 0, and old_logp (S, T)
-    finite wherever weight > 0. Raises ValueError naming the first sample s and token t of a
-    non-finite behaviour log-prob (a sampler fault; see policy_loss), or on a negative weight."""
+    """The value checks of `policy_loss`, in one host sync: weights (S, T) >= 0, old_logp (S, T)
+    finite where weight > 0. Raises ValueError on a negative weight, or naming the first sample s
+    and token t where old_logp is NaN or +-inf on a valid token: a sampler fault that would make the
+    loss NaN or, under CISPO's cap, pass silently as rho = cap (train.drop_nonfinite_logp drops such
+    samples before the batch is formed)."""
     bad = (weights > 0) & ~torch.isfinite(old_logp)  # (S, T)
     negative, nonfinite = torch.stack([(weights < 0).any(), bad.any()]).tolist()  # one host sync
     _check(not negative, "weights must be >= 0")
@@ -344,6 +310,32 @@ def check_values(old_logp: torch.Tensor, weights: torch.Tensor) -> None:
             f"old_logp is {old_logp[s, t].item()} at sample {s}, token {t} (a valid token): the "
             "sampler's behaviour log-probs must be finite; drop that sample before the loss"
         )
+
+
+def clipped_surrogate(ratio, A, lo, hi):
+    """PPO's clipped surrogate min(ratio * A, clip(ratio, lo, hi) * A) (DAPO Eq. 8, GSPO A.17.3)
+    and clipped, bool: where the constant branch is the minimum, which zeroes the gradient (A > 0
+    above hi, A < 0 below lo). ratio and A broadcast: (S, T) and (S, 1), or (S,) and (S,)."""
+    term = torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+    r = ratio.detach()
+    return term, ((A > 0) & (r > hi)) | ((A < 0) & (r < lo))
+
+
+def rho_stats(rho, valid, clipped) -> dict:
+    """policy_loss's metrics from rho, valid and clipped (S, T), 0-dim float64, detached. Sums over
+    valid tokens, to add over micro-batches and ranks: n_tokens; clipped, tokens whose ratio is
+    truncated (CISPO: rho > cap) or whose clipped branch is active (gradient zeroed; GSPO: every
+    token of a clipped sequence); rho_sum. To reduce by min / max: rho_min, rho_max (+inf, -inf
+    with no valid token)."""
+    with torch.no_grad():
+        r = rho.detach().double()  # (S, T)
+        return {
+            "n_tokens": valid.sum().double(),
+            "clipped": (clipped & valid).sum().double(),
+            "rho_sum": torch.where(valid, r, 0.0).sum(),
+            "rho_min": torch.where(valid, r, float("inf")).amin(),
+            "rho_max": torch.where(valid, r, float("-inf")).amax(),
+        }
 
 
 def policy_loss(
@@ -360,103 +352,49 @@ def policy_loss(
     gspo_eps_high=5e-3,
     validate=True,
 ):
-    """Policy-gradient loss (to minimize) and its metrics: CISPO (Eq. 4, §4), GSPO (A.17.3), DAPO / GRPO (A.2).
+    """Policy-gradient loss (to minimize) and its metrics: CISPO (Eq. 4, §4), GSPO (A.17.3), DAPO /
+    GRPO (A.2). rho = exp(logp - old_logp) always measures the sampler, never a recompute (Eq. 2).
 
-    logp (S, T) float, the trainer's log-probs with gradient; old_logp (S, T) float, the sampler's behaviour
-    log-probs, a constant: rho = exp(logp - old_logp) always measures the sampler, never a recompute (Eq. 2).
-    adv (S,), weights (S, T) from aggregation_weights (>= 0; a token is valid where weight > 0; padding may hold
-    any value, NaN included, in logp / old_logp). Per-token term:
-      cispo: sg(min(rho, cispo_cap)) * A * logp, no lower bound;
-      dapo / grpo: min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A);
-      gspo: one ratio per sequence, s = exp(mean of log rho over its valid tokens), clipped with the gspo eps,
-        weighted by the sum of the sequence's token weights.
-    loss = -sum(weights * term), a 0-dim tensor in logp's dtype.
-    metrics: 0-dim float32 tensors, detached. clip_frac = share of valid tokens whose ratio is truncated (CISPO:
-    rho > cap) or whose clipped branch is active (gradient zeroed; GSPO: every token of a clipped sequence);
-    rho_mean / rho_min / rho_max = token rho over valid tokens; n_tokens = number of valid tokens. To combine
-    micro-batches or ranks, weight clip_frac and rho_mean by n_tokens, reduce rho_min / rho_max by min / max
-    (with no valid token they are 0, 0, +inf, -inf).
-    Raises ValueError / TypeError on an unknown loss_type, bad shapes / dtypes, negative weights, or
-    an old_logp that requires grad or shares memory with logp (rho would be identically 1).
-    Raises ValueError naming the first sample s and token position t (indices into these tensors)
-    where old_logp is NaN or +-inf on a valid token: a sampler fault, which would make the loss NaN
-    or, under CISPO's cap, pass silently as rho = cap. train.py drops such samples before the batch
-    is formed (train.drop_nonfinite_logp), so it never reaches this error.
-    validate=False skips the checks that read every value (weights >= 0, finite old_logp), a host
-    sync on an accelerator: for a caller that ran them once on the whole batch (train.train_step
-    does, on the CPU, per step) and then calls this per micro-batch.
+    logp (S, T) float, the trainer's log-probs with gradient; old_logp (S, T) float, the sampler's
+    behaviour log-probs (a constant); adv (S,); weights (S, T) float from aggregation_weights (>= 0;
+    a token is valid where weight > 0; padding may hold any value, NaN included, in logp, old_logp).
+    Per-token term: cispo sg(min(rho, cispo_cap)) * A * logp, no lower bound; dapo / grpo
+    min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A); gspo the same clip (gspo eps) of one
+    ratio per sequence, exp(mean log rho over its valid tokens), weighted by its summed weights.
+    Returns loss = -sum(weights * term), 0-dim in logp's dtype, and metrics (rho_stats): n_tokens,
+    clipped, rho_sum, rho_min, rho_max. Raises ValueError / TypeError on an unknown loss_type, bad
+    shapes, non-float weights, or an old_logp that requires grad or shares memory with logp, and
+    check_values' ValueError unless validate=False (a host sync on an accelerator: train_step runs
+    it once per batch). Clip widths and cap are not checked here; config.py checks the CLI's.
     """
     _check(loss_type in ("cispo", "gspo", "dapo", "grpo"), f"unknown loss_type {loss_type!r}")
+    shapes = [tuple(x.shape) for x in (logp, old_logp, weights, adv)]
     _check(
-        logp.dim() == 2
-        and logp.numel() > 0
-        and old_logp.shape == logp.shape
-        and weights.shape == logp.shape
-        and adv.shape == logp.shape[:1],
-        f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got "
-        f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(weights.shape)}, {tuple(adv.shape)}",
+        logp.dim() == 2 and logp.numel() > 0 and shapes[1:] == [shapes[0]] * 2 + [shapes[0][:1]],
+        f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got {shapes}",
     )
-    for name, x in (("logp", logp), ("old_logp", old_logp), ("adv", adv), ("weights", weights)):
-        _check(x.is_floating_point(), f"{name} must be float; got {x.dtype}", TypeError)
-    _check(
-        not old_logp.requires_grad,
-        "old_logp requires grad: pass the sampler's behaviour log-probs (a constant)",
-    )
-    _check(
-        old_logp.untyped_storage().data_ptr() != logp.untyped_storage().data_ptr(),
-        "old_logp shares memory "
-        "with logp, so rho = 1 everywhere: pass the sampler's behaviour log-probs, not a detached logp",
-    )
+    # silent otherwise: a mask passed as weights, a gradient through old_logp, rho = 1 everywhere
+    _check(weights.is_floating_point(), f"weights must be float; got {weights.dtype}", TypeError)
+    _check(not old_logp.requires_grad, "old_logp requires grad: pass the sampler's log-probs")
+    aliased = old_logp.untyped_storage().data_ptr() == logp.untyped_storage().data_ptr()
+    _check(not aliased, "old_logp shares memory with logp (rho = 1): pass the sampler's log-probs")
     if validate:  # value checks: one host sync on an accelerator
         check_values(old_logp, weights)
-    _check(
-        eps_low >= 0
-        and eps_high >= 0
-        and gspo_eps_low >= 0
-        and gspo_eps_high >= 0
-        and cispo_cap > 0,
-        "clip widths must be >= 0 and cispo_cap > 0",
-    )
     valid = weights > 0  # (S, T)
-    lp = torch.where(
-        valid, logp, 0.0
-    )  # (S, T) padding zeroed so nothing there reaches the loss or grads
+    lp = torch.where(valid, logp, 0.0)  # (S, T) padding zeroed: it never reaches loss or gradients
     log_rho = lp - torch.where(valid, old_logp, 0.0)  # (S, T)
     rho = log_rho.exp()  # (S, T) token IS ratio against the sampler, Eq. 2
     A = adv.to(logp.dtype)[:, None]  # (S, 1)
     if loss_type == "cispo":
-        term = (
-            rho.detach().clamp(max=cispo_cap) * A * lp
-        )  # (S, T) Eq. 4: sg(min(rho, cap)) A log pi
+        term = rho.detach().clamp(max=cispo_cap) * A * lp  # (S, T) Eq. 4: sg(min(rho, cap)) A logp
         loss = -(weights * term).sum()
         clipped = rho.detach() > cispo_cap  # (S, T)
     elif loss_type == "gspo":
-        n_i = valid.sum(1)  # (S,) valid tokens per sequence
-        s = (log_rho.sum(1) / n_i.clamp_min(1)).exp()  # (S,) GSPO length-normalized sequence ratio
-        lo, hi = 1 - gspo_eps_low, 1 + gspo_eps_high
-        term = torch.minimum(s * A[:, 0], s.clamp(lo, hi) * A[:, 0])  # (S,)
+        s = (log_rho.sum(1) / valid.sum(1).clamp_min(1)).exp()  # (S,) length-normalized ratio
+        term, seq_clipped = clipped_surrogate(s, A[:, 0], 1 - gspo_eps_low, 1 + gspo_eps_high)
         loss = -(weights.sum(1) * term).sum()  # a sequence weighs the sum of its token weights
-        seq_clipped = ((A[:, 0] > 0) & (s.detach() > hi)) | (
-            (A[:, 0] < 0) & (s.detach() < lo)
-        )  # (S,)
         clipped = seq_clipped[:, None].expand_as(valid)  # (S, T)
-    else:
-        lo, hi = 1 - eps_low, 1 + eps_high
-        term = torch.minimum(
-            rho * A, rho.clamp(lo, hi) * A
-        )  # (S, T) Eq. 8 (Eq. 7 with eps_low = eps_high)
+    else:  # dapo / grpo: Eq. 8 (Eq. 7 with eps_low = eps_high)
+        term, clipped = clipped_surrogate(rho, A, 1 - eps_low, 1 + eps_high)  # (S, T)
         loss = -(weights * term).sum()
-        r = rho.detach()
-        clipped = ((A > 0) & (r > hi)) | (
-            (A < 0) & (r < lo)
-        )  # (S, T) the constant branch is the minimum
-    with torch.no_grad():
-        r, n = rho.detach().float(), valid.sum().float()
-        metrics = {
-            "clip_frac": (clipped & valid).sum() / n.clamp_min(1),
-            "rho_mean": torch.where(valid, r, 0.0).sum() / n.clamp_min(1),
-            "rho_min": torch.where(valid, r, float("inf")).amin(),
-            "rho_max": torch.where(valid, r, float("-inf")).amax(),
-            "n_tokens": n,
-        }
-    return loss, metrics
+    return loss, rho_stats(rho, valid, clipped)

@@ -271,17 +271,19 @@ class Policy(torch.nn.Module):
 
 
 def shard(policy: Policy, device) -> None:
-    """FSDP2 as in torchtitan: `fully_shard` each decoder layer, then the root; bf16 compute with fp32 gradient
-    reduction on GPU, fp32 throughout on CPU."""
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda"
-        else None
-    )
-    kw = dict(mp_policy=mp) if mp else {}
-    for layer in policy.lm.get_decoder().layers:
-        fully_shard(layer, **kw)
-    fully_shard(policy, **kw)
+    """FSDP2 as in torchtitan: `fully_shard` each decoder layer, then the root; bf16 compute with
+    fp32 gradient reduction on GPU, fp32 throughout on CPU. Gradients are summed over ranks, not
+    averaged (FSDP2's default): each rank's loss is its share of the full-batch loss."""
+    kw = {}
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = mp
+    for module in [*policy.lm.get_decoder().layers, policy]:  # the root last
+        fully_shard(module, **kw)
+        # sum over ranks: divide factor 1, reduced with a plain SUM (without force_sum FSDP2 uses
+        # PREMUL_SUM(1 / factor), which gloo does not have; torch 2.13, tests/dist_step.py)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def drop_nonfinite_logp(groups) -> tuple[list, int]:
@@ -454,24 +456,14 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     )
 
 
-def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
-    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation
-    weights are computed on the whole batch (§4), each rank runs its share of the samples in
-    micro-batches (plan_microbatches: token-budgeted, trimmed to their own length, packed where the
-    attention kernel is varlen), and the shares sum to the full-batch loss. Metrics and the
-    finiteness flag stay on the device until one transfer after backward. Returns the step's
-    metrics, reduced over ranks. Raises ValueError on a batch that is not right-padded or has token
-    ids outside the vocabulary, and FloatingPointError on every rank, before the weights change, if
-    a log-prob, the loss or the gradient norm is not finite."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
-    weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
-    # once per step on the CPU: checks that would each cost a host sync per micro-batch on a GPU
-    S, T = batch["input_ids"].shape
-    V = policy.lm.get_output_embeddings().weight.shape[0]
-    lengths = batch["attention_mask"].sum(1)  # (S,)
-    real = torch.arange(T) < lengths[:, None]  # (S, T)
-    ids = batch["input_ids"][real]
+def check_batch(batch: dict, weights, V: int) -> None:
+    """Raises ValueError on a batch train_step would get wrong without a word: rows not right-padded
+    or mask off the real tokens (collate's layout), mask on a first token (nothing predicts it),
+    token ids outside [0, V), and what loss.check_values finds (a non-finite behaviour log-prob on
+    a valid token, a negative weight). weights (S, T) from loss.aggregation_weights. Run once per
+    step on the CPU: on a GPU each check would cost a host sync per micro-batch."""
+    T = batch["input_ids"].shape[1]
+    real = torch.arange(T) < batch["attention_mask"].sum(1)[:, None]  # (S, T) right-padded rows
     if not torch.equal(batch["attention_mask"].bool(), real) or (batch["mask"] & ~real).any():
         raise ValueError(
             "batch must be right-padded, with mask only on real tokens (collate's layout)"
@@ -480,78 +472,86 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
         raise ValueError(
             "mask[:, 0] is True: the first token has no preceding position to predict it"
         )
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < V:
-        raise ValueError(
-            f"token ids must lie in [0, V={V}); got [{int(ids.min())}, {int(ids.max())}]"
-        )
-    loss.check_values(batch["old_logp"], weights)  # finite behaviour log-probs, weights >= 0
-    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
-    plan = plan_microbatches(lengths.tolist(), world, args, pack)
-    # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
-    mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
-    cuda = device.type == "cuda"
-    f64 = dict(dtype=torch.float64, device=device)
-    sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho summed over tokens
-    ext = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
-    # first batch sample with a non-finite log-prob or loss, S if none (torchtitan's loss_is_finite)
-    bad = torch.full((), S, dtype=torch.long, device=device)
-    for rows in mine:
-        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
-        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
-        mb = microbatch(batch, rows, width, pack, adv, weights)
-        # pinned memory: the copies to the GPU need not wait for it
-        mb = {
-            k: (v.pin_memory().to(device, non_blocking=True) if cuda else v) if v is not None else v
-            for k, v in mb.items()
-        }
-        logp = policy(
-            mb["input_ids"],
-            mb["attention_mask"],
-            mb["position_ids"],
-            mb["pred"],
-            mb["targets"],
-            args.temperature,
-        )  # (N,) float32
-        w_mb = mb["weights"]  # (s, width)
-        full = logp.new_zeros(w_mb.numel()).index_copy(0, mb["dst"], logp).view_as(w_mb)
-        l, m = loss.policy_loss(
-            full,
-            mb["old_logp"],
-            mb["adv"],
-            w_mb,
-            args.loss,
-            eps_low=args.eps_low,
-            eps_high=args.eps_high,
-            cispo_cap=args.cispo_cap,
-            validate=False,  # loss.check_values ran once above, on the whole batch
-        )
-        # a non-finite log-prob blames its sample; a non-finite loss the micro-batch's first sample
-        blame = torch.cat([torch.where(torch.isfinite(logp), S, mb["sample"]), bad[None]]).amin()
-        first = torch.cat([mb["sample"], bad[None]]).amin()
-        bad = torch.where(torch.isfinite(l), blame, first)
-        # FSDP2 averages gradients over ranks; each rank's loss is a share of a sum
-        (l * world).backward()
-        n = m["n_tokens"].double()
-        sums += torch.stack([l.detach().double(), n, m["clip_frac"] * n, m["rho_mean"] * n])
-        ext = torch.maximum(ext, torch.stack([-m["rho_min"], m["rho_max"]]).double())
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    ids = batch["input_ids"][real]
+    if ids.numel():
+        lo = int(ids.min())
+        hi = int(ids.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token ids must lie in [0, V={V}); got [{lo}, {hi}]")
+    loss.check_values(batch["old_logp"], weights)
+
+
+def to_device(mb: dict, device) -> dict:
+    """A micro-batch's tensors on `device`; on CUDA through pinned memory, so that the copies need
+    not wait for the host."""
+    if device.type != "cuda":
+        return mb
+    return {
+        k: None if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in mb.items()
+    }
+
+
+def microbatch_loss(policy, mb: dict, args: Args):
+    """Forward and loss of one micro-batch (microbatch's tensors, on the device). Returns (loss,
+    metrics, logp): from loss.policy_loss the 0-dim loss, this micro-batch's share of the
+    full-batch loss, and its metrics (sums over valid tokens, rho's extremes); logp (N,) float32,
+    the log-probs of its completion tokens."""
+    logp = policy(
+        mb["input_ids"],
+        mb["attention_mask"],
+        mb["position_ids"],
+        mb["pred"],
+        mb["targets"],
+        args.temperature,
+    )  # (N,) float32
+    w = mb["weights"]  # (s, width)
+    # the N log-probs into the loss layout; the other positions are padding (weight 0)
+    full = logp.new_zeros(w.numel()).index_copy(0, mb["dst"], logp).view_as(w)  # (s, width)
+    l, metrics = loss.policy_loss(
+        full,
+        mb["old_logp"],
+        mb["adv"],
+        w,
+        args.loss,
+        eps_low=args.eps_low,
+        eps_high=args.eps_high,
+        cispo_cap=args.cispo_cap,
+        validate=False,  # check_batch ran loss.check_values once, on the whole batch
+    )
+    return l, metrics, logp
+
+
+def first_nonfinite_sample(records, S: int, device) -> int:
+    """The first batch sample, over all ranks, with a non-finite log-prob or loss; S if none (the
+    gradient norm alone). records: (sample (N,), logp (N,), loss) of each of this rank's
+    micro-batches; a non-finite loss blames its micro-batch's first sample. Runs on the CPU once a
+    step has failed, off the fast path; a collective, so every rank calls it."""
+    first = S
+    for sample, logp, l in records:
+        bad = ~torch.isfinite(logp.cpu())  # (N,)
+        if not torch.isfinite(l):  # the loss has no sample: blame the micro-batch's first
+            first = min(first, int(sample.min()))
+        elif bad.any():
+            first = min(first, int(sample.cpu()[bad].min()))
+    everywhere = torch.tensor(first, device=device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    return int(everywhere)
+
+
+def reduce_metrics(sums, extremes, finite, grad_norm) -> tuple[dict, bool]:
+    """All-reduce one step's statistics over ranks and bring them to the host in one transfer, the
+    step's one host sync. sums (4,) float64: loss, valid tokens, clipped tokens, rho summed over
+    valid tokens; extremes (2,) float64: -rho_min, rho_max; finite 0-dim bool, this rank's flag;
+    grad_norm 0-dim, already global. Returns (the step's train/ metrics, finite on every rank)."""
     dist.all_reduce(sums)
-    top = torch.cat([ext, -bad.double()[None]])
+    # MAX: the extremes, and 1 if any rank saw a non-finite value (torchtitan's loss_is_finite)
+    top = torch.cat([extremes, (~finite).double()[None]])
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     out = torch.cat([sums, top, grad_norm.double()[None]]).tolist()  # the step's one host sync
-    (loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, neg_bad, grad_norm) = out
-    if -neg_bad < S or not math.isfinite(loss_sum) or not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        s = int(-neg_bad)
-        where = f"log-prob or loss in batch sample {s}" if s < S else "loss or gradient"
-        raise FloatingPointError(
-            f"non-finite {where} (loss {loss_sum:.4g}, grad norm {grad_norm:.4g})"
-        )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    n = max(n_tok, 1.0)
-    return {
+    loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, nonfinite, grad_norm = out
+    n = max(n_tok, 1.0)  # valid tokens in the batch, all ranks
+    metrics = {
         "train/loss": loss_sum,
         "train/grad_norm": grad_norm,
         "train/tokens": int(n_tok),
@@ -559,8 +559,66 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
         "train/rho_mean": rho_sum / n,
         "train/rho_min": -neg_rho_min,
         "train/rho_max": rho_max,
-        "train/adv_abs_mean": adv.abs().mean().item(),
     }
+    return metrics, not nonfinite
+
+
+def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
+    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation
+    weights are computed on the whole batch (§4), each rank runs its share of the samples in
+    micro-batches (plan_microbatches: token-budgeted, trimmed to their own length, packed where the
+    attention kernel is varlen), and the shares sum to the full-batch loss and gradient. Metrics
+    and the finite flag stay on the device until one transfer after backward. Returns the step's
+    metrics, reduced over ranks. Raises ValueError on a batch check_batch rejects, and
+    FloatingPointError on every rank, before the weights change, if a log-prob, the loss or the
+    gradient norm is not finite (naming the first such batch sample)."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    # on the whole batch (§4), so that the micro-batches of all ranks sum to the full-batch loss
+    adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
+    weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
+    # once per step on the CPU: on a GPU each check would sync the host once per micro-batch
+    check_batch(batch, weights, policy.lm.get_output_embeddings().weight.shape[0])
+    S, T = batch["input_ids"].shape
+    lengths = batch["attention_mask"].sum(1)  # (S,)
+    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
+    plan = plan_microbatches(lengths.tolist(), world, args, pack)
+    # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
+    mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
+    f64 = dict(dtype=torch.float64, device=device)
+    sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho over valid tokens
+    extremes = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
+    finite = torch.ones((), dtype=torch.bool, device=device)  # torchtitan's loss_is_finite
+    records = []  # per micro-batch, to name the sample if the step fails
+    for rows in mine:
+        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
+        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        mb = to_device(microbatch(batch, rows, width, pack, adv, weights), device)
+        l, m, logp = microbatch_loss(policy, mb, args)
+        # each rank's loss is its share of a sum, so shard() has FSDP2 sum gradients over ranks
+        l.backward()
+        sums += torch.stack([l.detach().double(), m["n_tokens"], m["clipped"], m["rho_sum"]])
+        extremes = torch.maximum(extremes, torch.stack([-m["rho_min"], m["rho_max"]]))
+        finite &= torch.isfinite(l)
+        if rows is not None:  # an empty micro-batch's one token has weight 0: it cannot fail
+            finite &= torch.isfinite(logp).all()
+        records.append((mb["sample"], logp.detach(), l.detach()))
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    # under FSDP2 the norm is a DTensor: full_tensor() is its global value, the same on every rank
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    finite &= torch.isfinite(grad_norm)
+    metrics, finite = reduce_metrics(sums, extremes, finite, grad_norm)
+    if not finite:  # every rank raises, before the weights change
+        optimizer.zero_grad(set_to_none=True)
+        s = first_nonfinite_sample(records, S, device)
+        where = f"log-prob or loss in batch sample {s}" if s < S else "loss or gradient"
+        loss_sum = metrics["train/loss"]
+        norm = metrics["train/grad_norm"]
+        raise FloatingPointError(f"non-finite {where} (loss {loss_sum:.4g}, grad norm {norm:.4g})")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics["train/adv_abs_mean"] = adv.abs().mean().item()
+    return metrics
 
 
 def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
