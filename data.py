@@ -97,7 +97,7 @@ def thinking_mode(tokenizer, mode: str = "auto") -> bool:
 
 def thinking_warning(records: list[dict]) -> str | None:
     """A warning for a run with thinking on where no response closed its thinking by itself: every
-    `</think>` in `records` (an eval's, pipeline.EvalResult.records, with "text" and
+    `</think>` in `records` (an eval's, evals.EvalResult.records, with "text" and
     "interrupted") came from the forced interruption phrase, or there is none. Responses without
     `</think>` score 0, so when the model does not think in this format every group is
     zero-variance and nothing is learned (see thinking_mode; --thinking off). None when at least

@@ -186,7 +186,7 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
 
 
 def shm_root(nbytes: int) -> str | None:
-    """/dev/shm when it has room for two copies, else the system temp dir (pipeline.weights_root's
+    """/dev/shm when it has room for two copies, else the system temp dir (weight_dirs.weights_root's
     rule)."""
     ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes
     return "/dev/shm" if ok else None

@@ -223,7 +223,7 @@ def test_issue_reproduction_no_think_block_scores_through_the_pipeline(tmp_path,
             filters.PromptPool(1),
             loop=loop,
             group_size=4,
-            prompts_per_batch=1,
+            prompts_per_step=1,
             max_lag=0,
         ) as pipe:
             batch = pipe.get_batch(0, timeout=60)
