@@ -186,8 +186,8 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
 
 
 def shm_root(nbytes: int) -> str | None:
-    """/dev/shm when it has room for two copies, else the system temp dir (weight_dirs.weights_root's
-    rule)."""
+    """/dev/shm when it has room for two copies, else the system temp dir (the rule of
+    weight_dirs.weights_root)."""
     ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes
     return "/dev/shm" if ok else None
 
