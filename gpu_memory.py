@@ -52,7 +52,8 @@ class Shape:
         """From a transformers config (Qwen3, Qwen2, Llama); parameters counted from the sizes."""
         H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
         head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-        q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+        q = cfg.num_attention_heads * head_dim
+        kv = cfg.num_key_value_heads * head_dim
         qk_norm = 2 * head_dim if cfg.model_type == "qwen3" else 0
         layer = H * q + 2 * H * kv + q * H + qk_norm + 3 * H * I + 2 * H
         tied = bool(cfg.tie_word_embeddings)
