@@ -24,8 +24,7 @@ Where it departs from a real Qwen3 checkpoint and its SFT, and why:
    produce. The phrase is not trained on.
 
 The build's cache key (build_key) hashes the source text of the functions that shape the weights:
-editing warm_start, warm_start_example or model_config, even a docstring, rebuilds every cached
-model.
+editing one of them, even a docstring, rebuilds every cached model.
 """
 
 import argparse
@@ -45,10 +44,6 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import data
-
-# the interruption phrase lives in data.py; warm_start_example's source, hashed into build_key's
-# cache key, names it INTERRUPT_PHRASE: renaming it there would rebuild every cached model
-from data import PHRASE as INTERRUPT_PHRASE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
@@ -154,9 +149,10 @@ def warm_start_example(
     slip: float,
     interrupt_frac: float,
 ) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy worked solution
-    plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut at a length drawn from
-    data.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
+    """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy
+    worked solution plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut
+    at a length drawn from data.ARITH_THINK_BUDGET, then data.PHRASE (mask 0) and the gold box
+    follow."""
     prompt = list(
         data.build_prompts(
             [{"question": item.question, "answer": item.gold}],
@@ -166,17 +162,18 @@ def warm_start_example(
             instruction=data.ARITH_INSTRUCTION,
         )[0][0].prompt_ids
     )
-    sol = tokenizer(data.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)[
-        "input_ids"
-    ]
+    solution = data.arith_solution(item, slip=slip, rng=rng)
+    sol = tokenizer(solution, add_special_tokens=False)["input_ids"]
     end = tokenizer(f"\n\n\\boxed{{{item.gold}}}", add_special_tokens=False)["input_ids"]
     think_len = sol.index(tokenizer.convert_tokens_to_ids("</think>"))  # tokens before </think>
     cut = rng.randint(*data.ARITH_THINK_BUDGET)
     if rng.random() < interrupt_frac and cut < think_len:
-        phrase = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
-        out, out_mask = sol[:cut] + phrase + end, [1] * cut + [0] * len(phrase) + [1] * len(end)
+        phrase = tokenizer(data.PHRASE, add_special_tokens=False)["input_ids"]
+        out = sol[:cut] + phrase + end
+        out_mask = [1] * cut + [0] * len(phrase) + [1] * len(end)
     else:
-        out, out_mask = sol, [1] * len(sol)
+        out = sol
+        out_mask = [1] * len(sol)
     return prompt + out + [tokenizer.eos_token_id], [0] * len(prompt) + out_mask + [1]
 
 
@@ -196,6 +193,29 @@ def warm_start_loss(
     return (nll * mask).sum() / mask.sum()  # mean over trained tokens of the batch
 
 
+def warm_start_batches(tokenizer, items, rng: random.Random, *, batch_size: int, **example_kw):
+    """Endless warm-start batches (lists of warm_start_example's (ids, mask)): 4 x batch_size
+    examples at a time, sorted by length (less padding), cut into batches and shuffled."""
+    while True:
+        examples = [
+            warm_start_example(tokenizer, next(items), rng, **example_kw)
+            for _ in range(4 * batch_size)
+        ]
+        seqs = sorted(examples, key=lambda s: len(s[0]))
+        batches = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
+        rng.shuffle(batches)
+        while batches:
+            yield batches.pop()
+
+
+def pad_batch(batch: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, T) int64 right-padded with pad_id, mask (B, T) float32 padded with 0)."""
+    T = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([s + [pad_id] * (T - len(s)) for s, _ in batch])  # (B, T)
+    mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
+    return ids, mask
+
+
 def warm_start(
     model,
     tokenizer,
@@ -209,45 +229,24 @@ def warm_start(
     smoothing: float,
     seed: int,
 ) -> float:
-    """Supervised warm start on data.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
-    token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and grouped by length (less padding).
-    Returns the mean loss over the last 10% of steps."""
-    rng, items = random.Random(seed), data.arith_items(seed, "sft")
+    """Supervised warm start on data.arith_items(seed, "sft"): AdamW, linear warmup then cosine
+    decay to 0, mean token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and
+    grouped by length (less padding). Returns the mean loss over the last 10% of steps."""
+    rng = random.Random(seed)
+    items = data.arith_items(seed, "sft")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
-    batches, losses = [], []
+    example_kw = dict(slip=slip, interrupt_frac=interrupt_frac)
+    batches = warm_start_batches(tokenizer, items, rng, batch_size=batch_size, **example_kw)
+    pad_id = tokenizer.pad_token_id
+    losses = []
     model.train()
     try:
         for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
-            if not batches:
-                seqs = sorted(
-                    (
-                        warm_start_example(
-                            tokenizer,
-                            next(items),
-                            rng,
-                            slip=slip,
-                            interrupt_frac=interrupt_frac,
-                        )
-                        for _ in range(4 * batch_size)
-                    ),
-                    key=lambda s: len(s[0]),
-                )
-                batches = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
-                rng.shuffle(batches)
-            batch = batches.pop()
-            T = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor(
-                [s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch]
-            )  # (B, T)
-            mask = torch.tensor(
-                [m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32
-            )  # (B, T)
-            logits = model(
-                input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()
-            ).logits[:, :-1]
+            ids, mask = pad_batch(next(batches), pad_id)  # (B, T), (B, T)
+            logits = model(input_ids=ids, attention_mask=(ids != pad_id).long()).logits[:, :-1]
             loss = warm_start_loss(logits, ids[:, 1:], mask[:, 1:], smoothing, len(tokenizer))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,7 +267,7 @@ def build_key(seed: int) -> str:
         WARM_START,
         seed,
         CHAT_TEMPLATE,
-        INTERRUPT_PHRASE,
+        data.PHRASE,
         data.ARITH_THINK_BUDGET,
         data.ARITH_MAX_ADDS,
         data.ARITH_INSTRUCTION,
@@ -280,6 +279,8 @@ def build_key(seed: int) -> str:
             data.arith_solution,
             data.build_prompts,
             warm_start,
+            warm_start_batches,
+            pad_batch,
             warm_start_example,
             model_config,
         )
