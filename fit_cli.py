@@ -28,7 +28,8 @@ def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
     with open(path) as f:
         lines = f.read().splitlines()
     last = max([k for k, line in enumerate(lines, 1) if line.strip()], default=0)
-    pts, note = [], ""
+    pts = []
+    note = ""
     for k, line in enumerate(lines, 1):
         try:
             rec = json.loads(line) if line.strip() else {}
@@ -37,11 +38,13 @@ def load_metrics(path, x="gpu_hours", y="eval/pass_rate"):
         except ValueError as e:  # json.JSONDecodeError is one
             if k < last:
                 raise ValueError(f"{path}:{k}: not a JSON object ({e})") from None
-            rec, note = {}, f"{path}:{k}: last line cut off (not JSON), skipped"
+            rec = {}
+            note = f"{path}:{k}: last line cut off (not JSON), skipped"
         if y in rec and x not in rec:
             raise ValueError(f"{path}:{k}: has {y!r} but no {x!r}")
         try:
-            pts += [(float(rec[x]), float(rec[y]))] if y in rec else []
+            if y in rec:
+                pts.append((float(rec[x]), float(rec[y])))
         except (TypeError, ValueError):
             raise ValueError(f"{path}:{k}: {x!r} or {y!r} is not a number") from None
     if not pts:
@@ -64,8 +67,10 @@ def plot(runs, out, *, xlabel, ylabel, c_min=0.0, fit_until=None):
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, (name, C, R, fit) in enumerate(runs):
-        col, end = f"C{i}", fit_until or C.max()
-        used, held = (C >= c_min) & (C <= end), C > end
+        col = f"C{i}"
+        end = fit_until or C.max()
+        used = (C >= c_min) & (C <= end)  # fitted
+        held = C > end  # held out: the extrapolation's test
         ax.scatter(C[used], R[used], s=16, color=col, alpha=0.8)
         ax.scatter(C[C < c_min], R[C < c_min], s=16, facecolors="none", edgecolors=col)
         ax.scatter(C[held], R[held], s=30, marker="x", color=col, alpha=0.6)
@@ -134,9 +139,17 @@ def _usage(msg):
     raise SystemExit(2)
 
 
-def main(args: Args):
-    """The CLI. Exits 2 on a usage error, found before any work (no path, a missing file, a missing
-    --out folder), 1 when a file cannot be read or fitted or a fit did not converge."""
+# the table's columns: per run, the fit, its bootstrap 95% intervals and A's profile interval
+COLUMNS = ["run", "n", "R0", "A", "95% CI", "profile 95%", "paper", "B", "95% CI", "C_mid"]
+COLUMNS += ["95% CI", "SSE", "MAE tail (n)"]
+
+
+def _ci(v, f="{:.3f}".format):
+    return f"[{f(v[0])}, {f(v[1])}]"
+
+
+def _checked_paths(args: Args) -> list[str]:
+    """The metrics.jsonl of each run; exits 2 on a usage error, before any work."""
     if not args.paths:
         _usage("no run given; usage: python fit.py RUN_DIR[/metrics.jsonl] ... [--fit-until X]")
     paths = [os.path.join(p, "metrics.jsonl") if os.path.isdir(p) else p for p in args.paths]
@@ -148,62 +161,84 @@ def main(args: Args):
         _usage(f"--out {args.out}: no folder {folder}")
     if args.n_boot < 0:
         _usage(f"--n-boot {args.n_boot}: must be >= 0")
-    runs, fit_pts, notes = [], [], []
-    table = [["run", "n", "R0", "A", "95% CI", "profile 95%", "paper", "B", "95% CI", "C_mid"]]
-    table[0] += ["95% CI", "SSE", "MAE tail (n)"]
+    return paths
 
-    def ci(v, f="{:.3f}".format):
-        return f"[{f(v[0])}, {f(v[1])}]"
 
-    for path, name in zip(paths, run_names(paths), strict=True):
-        try:
-            C, R, note = load_metrics(path, args.x, args.y)
-        except (OSError, ValueError) as e:  # most name the path already: print it once
-            raise SystemExit(f"fit.py: {e}" if path in str(e) else f"fit.py: {path}: {e}") from None
-        c0 = C[0]
-        if args.r0 is None:  # R0 = the eval at the smallest compute (the step-0 eval, C = 0): it
-            R0, keep = float(R[0]), C > c0  # anchors the curve there, so it is no fit point
+def _fit_run(path: str, name: str, args: Args):
+    """Load, fit and bootstrap one run -> ((name, C, R, fit) for `plot`, (C, R, R0) of its fit
+    points for `compare`, its table row, its notes). Exits 1 when it cannot be read or fitted."""
+    try:
+        C, R, note = load_metrics(path, args.x, args.y)
+    except (OSError, ValueError) as e:  # most name the path already: print it once
+        raise SystemExit(f"fit.py: {e}" if path in str(e) else f"fit.py: {path}: {e}") from None
+    c0 = C[0]
+    if args.r0 is None:
+        # R0 = the eval at the smallest compute (the step-0 eval, C = 0): it anchors the curve
+        # there, so it is no fit point
+        R0 = float(R[0])
+        keep = C > c0
+    else:
+        R0 = args.r0
+        keep = C > 0  # C = 0 is outside ln C
+    C = C[keep]
+    R = R[keep]
+    head = C <= (math.inf if args.fit_until is None else args.fit_until)
+    kw = dict(c_min=args.c_min, method=args.method)
+    try:
+        if args.fit_until is None:
+            fit = fit_sigmoid(C, R, R0, **kw)
+            mae = math.nan
+            n_tail = 0
         else:
-            R0, keep = args.r0, C > 0  # C = 0 is outside ln C
-        C, R = C[keep], R[keep]
-        head = C <= (math.inf if args.fit_until is None else args.fit_until)
-        kw = dict(c_min=args.c_min, method=args.method)
-        try:
-            if args.fit_until is None:
-                fit, mae, n_tail = fit_sigmoid(C, R, R0, **kw), math.nan, 0
-            else:
-                fit, mae, n_tail = extrapolate(C, R, R0, fit_until=args.fit_until, **kw)
-            bs = bootstrap(
-                fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed
-            )
-        except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"fit.py: {path}: {e}") from None
-        runs.append((name, C, R, fit))
-        fit_pts.append((C[head], R[head], R0))
-        table.append([name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", ci(bs.A, "{:.4f}".format)])
-        table[-1] += [ci(fit.A_interval), f"+-{A_MARGIN}", f"{fit.B:.3f}", ci(bs.B)]
-        table[-1] += [
-            _num(fit.C_mid),
-            ci(bs.C_mid, _num),
-            f"{fit.sse:.2e}",
-            f"{mae:.4f} ({n_tail})",
-        ]
-        for bad, msg in (
-            (note, note),
-            ((~keep).sum() > 1, f"{(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted"),
-            (bs.n_failed, f"{bs.n_failed}/{args.n_boot} bootstrap refits failed or not converged"),
-            (not fit.converged, f"NOT CONVERGED: {fit.message}"),
-        ):
-            notes += [f"{name}: {msg}"] * bool(bad)
+            fit, mae, n_tail = extrapolate(C, R, R0, fit_until=args.fit_until, **kw)
+        bs = bootstrap(fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"fit.py: {path}: {e}") from None
+    row = [name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", _ci(bs.A, "{:.4f}".format)]
+    row += [_ci(fit.A_interval), f"+-{A_MARGIN}", f"{fit.B:.3f}", _ci(bs.B)]
+    row += [_num(fit.C_mid), _ci(bs.C_mid, _num), f"{fit.sse:.2e}", f"{mae:.4f} ({n_tail})"]
+    notes = []
+    if note:
+        notes.append(f"{name}: {note}")
+    if (~keep).sum() > 1:
+        notes.append(f"{name}: {(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted")
+    if bs.n_failed:
+        notes.append(
+            f"{name}: {bs.n_failed}/{args.n_boot} bootstrap refits failed or not converged"
+        )
+    if not fit.converged:
+        notes.append(f"{name}: NOT CONVERGED: {fit.message}")
+    return (name, C, R, fit), (C[head], R[head], R0), row, notes
+
+
+def _comparison(runs, fit_pts, c_min: float) -> str:
+    """The §4 rule's verdict over two or more runs (fit.compare), with B refitted at a shared A."""
+    cmp = compare(fit_pts, c_min=c_min)
+    shared = ""
+    if cmp.refits is not None:
+        Bs = (f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
+        shared = f" (B at shared A: {', '.join(Bs)})"
+    return f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best"
+
+
+def main(args: Args):
+    """The CLI. Exits 2 on a usage error, found before any work (no path, a missing file, a missing
+    --out folder), 1 when a file cannot be read or fitted or a fit did not converge."""
+    paths = _checked_paths(args)
+    runs = []
+    fit_pts = []
+    notes = []
+    table = [COLUMNS]
+    for path, name in zip(paths, run_names(paths), strict=True):
+        run, pts, row, run_notes = _fit_run(path, name, args)
+        runs.append(run)
+        fit_pts.append(pts)
+        table.append(row)
+        notes += run_notes
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
     if len(fit_pts) >= 2:
-        cmp = compare(fit_pts, c_min=args.c_min)
-        shared = ""
-        if cmp.refits is not None:
-            Bs = (f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
-            shared = f" (B at shared A: {', '.join(Bs)})"
-        notes.insert(0, f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best")
+        notes.insert(0, _comparison(runs, fit_pts, args.c_min))
     plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)
     print("\n".join(notes + [f"wrote {args.out}"]))
     if any(not f.converged for *_, f in runs):

