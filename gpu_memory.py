@@ -67,21 +67,28 @@ def trainer_bytes(
     """Estimated peak bytes of one trainer GPU (module docstring, 1): params, grads, adamw (sharded
     over `world` ranks), gathers (FSDP2 transients), activations (one micro-batch of `tokens`, with
     or without activation checkpointing), head (the LM head's transients), context."""
-    H, V = shape.hidden, shape.vocab
+    H = shape.hidden
+    V = shape.vocab
     per_token_layer = 2 * (6 * H + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate)
-    layer_params = (shape.params - V * H * (1 if shape.tied else 2) - H) // shape.layers
-    root_params = V * H * (1 if shape.tied else 2) + H  # embedding, head, final norm: the root unit
-    unit = max(layer_params, root_params)
+    embeddings = 1 if shape.tied else 2  # (V, H) matrices: the input embedding, an untied head
+    root_params = V * H * embeddings + H  # embedding, head, final norm: the root FSDP unit
+    layer_params = (shape.params - root_params) // shape.layers
+    unit = max(layer_params, root_params)  # the largest unit FSDP2 gathers
     one_layer = tokens * per_token_layer
-    head = 2 * HEAD_CHUNK * V * 4 + tokens * H * 4 + (2 * V * H * 4 if fp32_head else 0)
+    if checkpointing:  # every layer's bf16 input, and one layer's saved tensors at a time
+        activations = shape.layers * tokens * 2 * H + one_layer
+    else:
+        activations = shape.layers * one_layer
+    # two (HEAD_CHUNK, V) fp32 logit blocks and the hidden states' fp32 gradient
+    head = 2 * HEAD_CHUNK * V * 4 + tokens * H * 4
+    if fp32_head:  # an fp32 copy of the head weight and its gradient
+        head += 2 * V * H * 4
     return {
         "params": 4 * shape.params // world,
         "grads": 4 * shape.params // world,
         "adamw": 8 * shape.params // world,
         "gathers": 2 * 2 * unit + (2 + 4) * unit,
-        "activations": (
-            shape.layers * tokens * 2 * H + one_layer if checkpointing else shape.layers * one_layer
-        ),
+        "activations": activations,
         "head": head,
         "context": CONTEXT_BYTES,
     }
@@ -98,9 +105,9 @@ def generator_bytes(
 ) -> dict[str, int]:
     """vLLM's use of one generator GPU (module docstring, 2): weights, reserve, kv (what is left of
     its share, may be negative when the weights do not fit)."""
-    head_extra = (
-        0 if shape.tied or not fp32_head else shape.vocab * shape.hidden * (4 - dtype_bytes)
-    )
+    head_extra = 0
+    if fp32_head and not shape.tied:  # the untied head in fp32: its bytes beyond dtype_bytes
+        head_extra = shape.vocab * shape.hidden * (4 - dtype_bytes)
     weights = (shape.params * dtype_bytes + head_extra) // tp
     budget = int(utilization * gpu_bytes)
     return {
@@ -145,10 +152,10 @@ def max_num_seqs(
 ) -> int:
     """vLLM's max_num_seqs per engine: the rollouts the pipeline can have in flight, split over dp
     engines, capped by the KV cache. P prompt groups per batch (after --batch-scale), G rollouts
-    each; batches in flight: max_lag + 1 for PipelineRL-k (k = max_lag: pipeline.may_start lets
-    groups of the next k batches start), k for PPO-off-policy-k (k batches per weight version),
-    either way at most max_inflight / P (pipeline.Pipeline's cap on groups at once). kv_seqs:
-    sequences of max_model_len tokens the engine's KV cache holds (blocks x block size /
+    each; batches in flight: max_lag + 1 for PipelineRL-k (k = max_lag: the pipeline's may_start
+    rule lets groups of the next k batches start), k for PPO-off-policy-k (k batches per weight
+    version), either way at most max_inflight / P (pipeline.Pipeline's cap on groups at once).
+    kv_seqs: sequences of max_model_len tokens the engine's KV cache holds (blocks x block size /
     max_model_len): vLLM allocates blocks as sequences grow, so up to that many never preempt one
     another. At least 1."""
     if mode == "pipeline":

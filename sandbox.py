@@ -58,8 +58,6 @@ _WARNED = False  # the unsafe mode's warning was printed
 
 
 # ---- inside the sandbox --------------------------------------------------------------------------
-
-
 # These run in the sandbox's interpreter, sent as source (_RUNNER): each imports what it uses and
 # calls only the others and the standard library.
 
@@ -67,8 +65,7 @@ _WARNED = False  # the unsafe mode's warning was printed
 def _set_limits(job: dict) -> bool:
     """Sets the rlimits (CPU seconds, address space, file size, processes, no core file) and
     PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
-    killed trainer leaves no unsandboxed run behind either. False if that failed or the parent is
-    already gone."""
+    killed trainer leaves no unsandboxed run behind. False if that failed or the parent is gone."""
     import ctypes
     import os
     import resource
@@ -89,8 +86,7 @@ def _set_limits(job: dict) -> bool:
 def _forbid_processes() -> bool:
     """Installs a seccomp filter: fork, vfork and clone without CLONE_THREAD fail with EAGAIN;
     clone3 with ENOSYS, so that glibc creates threads with clone. Another ABI (x32, i386) kills the
-    process. On machines other than x86_64 and aarch64 it installs nothing. False if prctl
-    failed."""
+    process. Installs nothing on machines other than x86_64 and aarch64. False if prctl failed."""
     import ctypes
     import platform
     import struct
@@ -238,10 +234,8 @@ def _sandbox_main() -> None:
     report("ok", outputs)
 
 
-_INSIDE = (_set_limits, _forbid_processes, _status_of, _run_check, _run_call, _run_stdio)
-_RUNNER = (
-    "\n\n".join(inspect.getsource(f) for f in (*_INSIDE, _sandbox_main)) + "\n_sandbox_main()\n"
-)
+_INSIDE = [_set_limits, _forbid_processes, _status_of, _run_check, _run_call, _run_stdio]
+_RUNNER = "\n\n".join(map(inspect.getsource, [*_INSIDE, _sandbox_main])) + "\n_sandbox_main()\n"
 
 
 # ---- the sandbox, seen from outside --------------------------------------------------------------
@@ -351,20 +345,32 @@ def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             proc.stdout.close()
-    i = out.rfind(nonce.encode())
+    return _outcome(out, ended, nonce, proc.returncode, sandboxed)
+
+
+def _outcome(out: bytes, ended: str, nonce: str, rc: int, sandboxed: bool) -> tuple:
+    """(status, outputs) from what the sandbox wrote and how it ended (`_read`'s "eof", "timeout"
+    or "overflow"; its return code): the report after the nonce, else why there is none."""
     if ended == "overflow":
         return "crash", None
+    i = out.rfind(nonce.encode())
     if i >= 0:
         try:
             result = json.loads(out[i + len(nonce) :].split(b"\n", 1)[0])
             return result["status"], result["outputs"]
         except (ValueError, KeyError, TypeError):
             return "crash", None
-    rc = proc.returncode
-    sig = -rc if rc < 0 else rc - 128 if sandboxed and rc > 128 else 0  # bwrap: 128 + signal
+    # the signal that ended it: a negative return code, or bwrap's 128 + signal
+    sig = 0
+    if rc < 0:
+        sig = -rc
+    elif sandboxed and rc > 128:
+        sig = rc - 128
     if ended == "timeout" or sig in (signal.SIGXCPU, signal.SIGKILL):  # the CPU limit's signals
         return "timeout", None
-    return ("sandbox_error" if out.startswith(b"bwrap:") else "crash"), None
+    if out.startswith(b"bwrap:"):
+        return "sandbox_error", None
+    return "crash", None
 
 
 def _read(proc, payload: bytes, deadline: float) -> tuple[bytes, str]:
