@@ -180,6 +180,13 @@ def load_inputs(args: Args, world: int, device) -> Inputs:
     return Inputs(path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params)
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id that pads the trainer's batch (masked, never trained): pad, else EOS, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id or 0
+
+
 def sampler_dtype(args: Args, device) -> torch.dtype:
     """The sampler's weights: bf16 on GPU, fp32 on CPU for --gen-dtype auto (vLLM's own "auto" would
     pick bf16 there too, and the trainer is fp32), else the dtype named."""

@@ -16,8 +16,9 @@ batch-normalized advantages and prompt-level aggregation weights on the whole ba
 fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps AdamW, and hands the
 new weights to the sampler. Every `eval_every` steps: held-out pass rate, the compute clock, a
 sigmoid fit of the curve so far, a checkpoint every `save_every`. Flags, presets and recipes:
-config.py; setup: launch.py; the trainer: trainer.py; the vLLM side: engines.py; logs, evals and
-checkpoints: records.py and checkpoint.py.
+config.py; inputs: loading.py; process group, placement, run directory: launch.py; the policy and
+its optimizer step: trainer.py; the vLLM side: engines.py; logs, evals and checkpoints: records.py
+and checkpoint.py.
 
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (data.py `arith`) with
@@ -224,7 +225,7 @@ def main(args: Args) -> None:
     )
     log = records.RunLog(args, run_dir, pipe, eval_prompts, state, inputs)
     launch.on_stop_signal(stop)
-    pad_id = trainer.pad_token_id(inputs.tokenizer)  # masked: never trained
+    pad_id = loading.pad_token_id(inputs.tokenizer)  # masked: never trained
     stopped = False  # the loop ended on a stop (every rank alike)
     try:
         log.submit_start_evals(step, inputs.path, start_dir)

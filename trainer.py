@@ -122,13 +122,6 @@ def collate(groups, pad_id: int) -> dict:
     )
 
 
-def pad_token_id(tokenizer) -> int:
-    """The id that pads the trainer's batch (masked, never trained): pad, else EOS, else 0."""
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    return tokenizer.eos_token_id or 0
-
-
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce a small CPU tensor over ranks (through the GPU under NCCL); returns it on the
     CPU."""

@@ -525,10 +525,10 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
 
 @pytest.mark.vllm
 def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
-    """The (name, tensor) pairs the NCCL sender would broadcast, from a trainer.Policy, go through the
-    CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights): the
-    engine's own parameter names are exactly what they map onto, and afterwards its log-probs are
-    the new model's, as after a disk reload of the same weights (tied head included)."""
+    """The (name, tensor) pairs the NCCL sender would broadcast, from a trainer.Policy, go through
+    the CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights):
+    the engine's own parameter names are exactly what they map onto, and afterwards its log-probs
+    are the new model's, as after a disk reload of the same weights (tied head included)."""
     import checkpoint
     import trainer
 
