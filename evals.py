@@ -62,7 +62,7 @@ def eval_metrics(records: list[dict], greedy: list[dict] = ()) -> dict[str, floa
     metric): eval/pass_rate (mean reward: the paper's metric), eval/mean_len (tokens),
     eval/truncation_rate, eval/interrupt_rate, eval/version, eval/greedy_pass_rate; and when the
     records hold more than one task, eval/<task>/pass_rate, eval/<task>/mean_len and
-    eval/<task>/greedy_pass_rate for each (their curves are fitted apart: train.final_fit).
+    eval/<task>/greedy_pass_rate for each (their curves are fitted apart: records.final_fit).
     Raises ValueError on no records."""
     if not records:
         raise ValueError("eval_metrics: no records")

@@ -44,9 +44,6 @@ from vllm import SamplingParams, TokensPrompt
 import data
 from engine import Engine, SyncClient, versions_from_spans
 
-# re-exported for train.py, which calls generate.weight_transfer_backend
-from engine import weight_transfer_backend as weight_transfer_backend
-
 THINK_END = "</think>"
 
 

@@ -1,16 +1,17 @@
-"""Benchmark on one GPU: train.py's own trainer (Policy, shard, train_step) and its fp32 LM head.
+"""Benchmark on one GPU: train.py's own trainer (trainer.py: Policy, shard, train_step) and its fp32
+LM head.
 
-Needs torch >= 2.11 and transformers only: vLLM and tyro, which `import train` pulls in, are stubbed
-when they are not installed (the trainer never calls them). No download: random weights from a
+Needs torch >= 2.11 and transformers only: tyro (config.py imports it) and vLLM are stubbed when
+they are not installed (the trainer never calls them). No download: random weights from a
 Qwen3Config. Issue 11; a GPU run's numbers go in the README.
 1. LM head, fwd + bwd with a trainable head at N 16,384, V 151,936, H 4,096 (Qwen3-8B):
    loss.token_logprobs with bf16 operands (the GPU path: fp32-accumulated GEMMs, fp32 logits)
    against the same call on the fp32-upcast operands (the exact fp32 path, the baseline) and with
    bf16 logits (the loo-fp32 ablation); errors against a float64 reference. Contract: |d logp| <=
    5e-5 against the fp32 path. Target: <= 0.25 s.
-2. Train step: a 1-rank process group, train.Policy + train.shard (FSDP2, bf16 params, fp32 reduce
-   on GPU), AdamW, and train.train_step on a batch of --seqs variable-length sequences drawn like
-   the preset's rollouts (prompt U[64, 512] tokens, completion U[256, think_budget[1] +
+2. Train step: a 1-rank process group, trainer.Policy + trainer.shard (FSDP2, bf16 params, fp32
+   reduce on GPU), AdamW, and trainer.train_step on a batch of --seqs variable-length sequences
+   drawn like the preset's rollouts (prompt U[64, 512] tokens, completion U[256, think_budget[1] +
    answer_budget]), for two shapes: `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b
    preset's settings, `8b-8l` = 8 of Qwen3-8B's 36 layers (untied head) with the qwen3-8b
    preset's. Variants, measured in the same run: `before` = the trainer's layout and head before
@@ -51,8 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a missing vllm / tyro as a MagicMock: `import train` needs them, train_step never
-    calls them."""
+    """Imports a missing vllm / tyro as a MagicMock: config.py imports tyro, train_step never calls
+    either."""
 
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in ("vllm", "tyro"):
@@ -71,8 +72,9 @@ class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if any(importlib.util.find_spec(n) is None for n in ("vllm", "tyro")):
     sys.meta_path.append(_Stub())  # appended: an installed vllm / tyro is found first
 import config  # noqa: E402
+import launch  # noqa: E402
 import loss  # noqa: E402
-import train  # noqa: E402
+import trainer  # noqa: E402
 
 # Qwen3 shapes (Hugging Face configs): layers, hidden, intermediate, heads, kv heads, head dim,
 # vocab, tied head
@@ -231,7 +233,7 @@ def part_head(a, device):
 
 
 def make_batch(a, shape, args, gen):
-    """A collated batch (train.collate's layout) of --seqs rollouts drawn like the preset's."""
+    """A collated batch (trainer.collate's layout) of --seqs rollouts drawn like the preset's."""
     S, V = a.seqs, shape[6]
     if a.tiny:
         plen, clen = (8, 24), (16, 100)
@@ -254,10 +256,10 @@ def make_batch(a, shape, args, gen):
     )
 
 
-def part_train(a, name, variant, device):
-    """Part 2, one shape x variant: {tokens/s, MFU, peak and estimated GiB, step s}."""
+def bench_args(a, name, variant) -> config.Args:
+    """The trainer's flags for one shape x variant: the shape's preset, changed as the variant says
+    (`before`: issue 11's old layout; `after-noac`: no activation checkpointing)."""
     preset = "qwen3-0.6b" if name == "0.6b" else "qwen3-8b"
-    shape = TINY if a.tiny else QWEN3[preset] if name == "0.6b" else (8, *QWEN3["qwen3-8b"][1:])
     settings = dict(config.PRESETS[preset], model=preset)
     if a.tiny:
         settings.update(max_tokens_per_microbatch=256, group_size=4)
@@ -267,7 +269,11 @@ def part_train(a, name, variant, device):
         )
     elif variant == "after-noac":
         settings.update(activation_checkpointing=False)
-    args = config.Args(**settings)
+    return config.Args(**settings)
+
+
+def random_qwen3(shape, device):
+    """A Qwen3 of `shape` with random fp32 weights (seed 0), built on `device`."""
     L, H, inter, heads, kv, d, V, tied = shape
     cfg = Qwen3Config(
         vocab_size=V,
@@ -283,11 +289,42 @@ def part_train(a, name, variant, device):
     )
     torch.manual_seed(0)
     with device:  # initialised in place: billions of fp32 parameters are slow to build on the CPU
-        lm = Qwen3ForCausalLM(cfg).float()
-    if args.activation_checkpointing:  # as train.main applies it, before fully_shard
+        return Qwen3ForCausalLM(cfg).float()
+
+
+def time_steps(a, label, policy, optimizer, batch, args, device) -> list[float]:
+    """Seconds of each of a.steps timed train steps, after a.warmup untimed ones (peak memory
+    counted from the first timed step)."""
+    times = []
+    for i in range(a.warmup + a.steps):
+        sync(device)
+        if i == a.warmup:
+            reset_peak(device)
+        t0 = time.perf_counter()
+        m = trainer.train_step(policy, optimizer, batch, args, device)
+        sync(device)
+        dt = time.perf_counter() - t0
+        if i >= a.warmup:
+            times.append(dt)
+        print(
+            f"  {label} step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.2f} s, "
+            f"loss {m['train/loss']:+.5f}",
+            flush=True,
+        )
+    return times
+
+
+def part_train(a, name, variant, device):
+    """Part 2, one shape x variant: {tokens/s, MFU, peak and estimated GiB, step s}."""
+    preset = "qwen3-0.6b" if name == "0.6b" else "qwen3-8b"
+    shape = TINY if a.tiny else QWEN3[preset] if name == "0.6b" else (8, *QWEN3["qwen3-8b"][1:])
+    args = bench_args(a, name, variant)
+    L, H, inter, heads, kv, d, V, tied = shape
+    lm = random_qwen3(shape, device)
+    if args.activation_checkpointing:  # as trainer.build applies it, before fully_shard
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = train.Policy(lm, args.fp32_head).train()
-    train.shard(policy, device)
+    policy = trainer.Policy(lm, args.fp32_head).train()
+    trainer.shard(policy, device)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=1e-6, eps=args.adam_eps, weight_decay=args.weight_decay
     )
@@ -302,22 +339,7 @@ def part_train(a, name, variant, device):
     if variant == "before":  # the head before issue 11: fp32 products of the upcast operands
         loss._low_precision_operands = lambda *_: False
     try:
-        times = []
-        for i in range(a.warmup + a.steps):
-            sync(device)
-            if i == a.warmup:
-                reset_peak(device)
-            t0 = time.perf_counter()
-            m = train.train_step(policy, optimizer, batch, args, device)
-            sync(device)
-            dt = time.perf_counter() - t0
-            if i >= a.warmup:
-                times.append(dt)
-            print(
-                f"  {name} {variant} step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.2f} s, "
-                f"loss {m['train/loss']:+.5f}",
-                flush=True,
-            )
+        times = time_steps(a, f"{name} {variant}", policy, optimizer, batch, args, device)
     finally:
         loss._low_precision_operands = old_head
     sec = sum(times) / len(times)
@@ -332,13 +354,57 @@ def part_train(a, name, variant, device):
         desc=f"{L} layers x H {H}, {a.seqs} seqs, {tokens:,} tokens ({n_pred:,} predicted), "
         f"budget {args.max_tokens_per_microbatch or 'none'}, AC {args.activation_checkpointing}",
     )
-    del policy, optimizer, lm, m
+    del policy, optimizer, lm
     gc.collect()
     reset_peak(device)
     return res
 
 
-def main():
+def head_rows(a, device) -> list[tuple[str, str]]:
+    """Part 1's rows of the results table."""
+    rows = []
+    N, V, H, head = part_head(a, device)
+    base = head["fp32 path (fp32 operands)"][0]
+    for name, (sec, e64, e32, rh, rw) in head.items():
+        rows.append(
+            (
+                f"head fwd+bwd N {N} V {V} H {H}: {name}",
+                f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} "
+                f"vs f64, {e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
+            )
+        )
+    ok = head["bf16 operands, fp32 logits"][2] <= 5e-5
+    rows.append(("head contract: bf16-operand log-probs within 5e-5 of the fp32 path", str(ok)))
+    return rows
+
+
+def train_rows(a, device) -> list[tuple[str, str]]:
+    """Part 2's rows of the results table: every shape x variant asked for."""
+    rows = []
+    for name in a.shapes.split(","):
+        preset = config.PRESETS["qwen3-0.6b" if name == "0.6b" else "qwen3-8b"]
+        variants = [  # after-noac is `after` where the preset has no checkpointing
+            v
+            for v in a.variants.split(",")
+            if v != "after-noac" or preset["activation_checkpointing"]
+        ]
+        res = {v: part_train(a, name, v, device) for v in variants}
+        for v, r in res.items():
+            ratio = ""
+            if "before" in res:
+                ratio = f", {res['before']['step_s'] / r['step_s']:.2f}x before"
+            rows.append(
+                (
+                    f"train step {name} {v}: {r['desc']}",
+                    f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
+                    f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB "
+                    f"(estimate {r['est_gib']:.1f})",
+                )
+            )
+    return rows
+
+
+def parse_args():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -358,10 +424,14 @@ def main():
     p.add_argument(
         "--plan", action="store_true", help="print the presets' memory estimate and exit"
     )
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    a = parse_args()
     if a.plan:
         return plan()
-    rank, world, device = train.setup_distributed()  # 1 rank: NCCL on GPU, gloo on CPU
+    rank, world, device = launch.setup_distributed()  # 1 rank: NCCL on GPU, gloo on CPU
     where = (
         torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     )
@@ -370,42 +440,10 @@ def main():
     )
     rows = []
     if a.only != "train":
-        N, V, H, head = part_head(a, device)
-        base = head["fp32 path (fp32 operands)"][0]
-        for name, (sec, e64, e32, rh, rw) in head.items():
-            rows.append(
-                (
-                    f"head fwd+bwd N {N} V {V} H {H}: {name}",
-                    f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} "
-                    f"vs f64, {e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
-                )
-            )
-        ok = head["bf16 operands, fp32 logits"][2] <= 5e-5
-        rows.append(("head contract: bf16-operand log-probs within 5e-5 of the fp32 path", str(ok)))
+        rows += head_rows(a, device)
     if a.only != "head":
-        for name in a.shapes.split(","):
-            preset = config.PRESETS["qwen3-0.6b" if name == "0.6b" else "qwen3-8b"]
-            variants = [  # after-noac is `after` where the preset has no checkpointing
-                v
-                for v in a.variants.split(",")
-                if v != "after-noac" or preset["activation_checkpointing"]
-            ]
-            res = {v: part_train(a, name, v, device) for v in variants}
-            for v, r in res.items():
-                ratio = (
-                    f", {res['before']['step_s'] / r['step_s']:.2f}x before"
-                    if "before" in res
-                    else ""
-                )
-                rows.append(
-                    (
-                        f"train step {name} {v}: {r['desc']}",
-                        f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
-                        f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB "
-                        f"(estimate {r['est_gib']:.1f})",
-                    )
-                )
-    train.dist.destroy_process_group()
+        rows += train_rows(a, device)
+    launch.dist.destroy_process_group()
     w = max(len(r[0]) for r in rows)
     print(f"\n| {'quantity':{w}s} | value |\n|{'-' * (w + 2)}|-------|")
     for k, v in rows:

@@ -1,25 +1,27 @@
-"""Benchmark: a recipe comparison in miniature (paper §4, Figure 2): ScaleRL against DeepSeek's GRPO recipe.
+"""Benchmark: a recipe comparison in miniature (paper §4, Figure 2): ScaleRL against DeepSeek's
+GRPO recipe.
 
-    python bench/recipes.py                        # 2 recipes x 2 seeds of the default run, one at a time
-    python bench/recipes.py --runs-dir runs/recipes --reuse     # refit finished runs, train only the missing
-    python bench/recipes.py --steps 4 --eval-every 2 --eval-size 8 --eval-n 2   # smoke test (extra flags
-                                                   # go to every train.py run)
+    python bench/recipes.py     # 2 recipes x 2 seeds of the default run, one at a time
+    python bench/recipes.py --runs-dir runs/recipes --reuse   # refit finished runs, train the rest
+    python bench/recipes.py --steps 4 --eval-every 2 --eval-size 8 --eval-n 2   # smoke test (extra
+                                                   # flags go to every train.py run)
 
-Each run is `python train.py --recipe R --seed S` with the default (tiny) preset, so each arm sees the same
-warm-started model, held-out split and prompt order per seed. Every run's held-out curve (eval/pass_rate
-against --x, default gpu_hours) is fitted with Eq. 1 (R0 = its step-0 eval); each recipe's two seeds are
-then pooled into one curve (all their points, R0 = the mean of their R0) and fitted again. Printed per run
-and per pooled recipe: A, B and C_mid (the compute to reach half the gain A - R0) with pairs-bootstrap 95%
-intervals; then the paper's verdict on the pooled curves, fit.compare (§4, PAPER.md 8.4): when the A differ
-by the margin 0.02 or more, the higher A wins; otherwise both are refitted at their mean A and the higher B
-wins. The verdict is also given per seed, so a reader sees whether the seeds agree. The paper's ordering
-(Figure 2, PAPER.md 10.2): ScaleRL A = 0.61 above DeepSeek (GRPO) at 0.49, at 100k GPU-hours on an 8B model.
+Each run is `python train.py --recipe R --seed S` with the default (tiny) preset, so each arm sees
+the same warm-started model, held-out split and prompt order per seed. Every run's held-out curve
+(eval/pass_rate against --x, default gpu_hours) is fitted with Eq. 1 (R0 = its step-0 eval); each
+recipe's two seeds are then pooled into one curve (all their points, R0 = the mean of their R0)
+and fitted again. Printed per run and per pooled recipe: A, B and C_mid (the compute to reach half
+the gain A - R0) with pairs-bootstrap 95% intervals; then the paper's verdict on the pooled curves,
+fit.compare (§4, PAPER.md 8.4): when the A differ by the margin 0.02 or more, the higher A wins;
+otherwise both are refitted at their mean A and the higher B wins. The verdict is also given per
+seed, so a reader sees whether the seeds agree. The paper's ordering (Figure 2, PAPER.md 10.2):
+ScaleRL A = 0.61 above DeepSeek (GRPO) at 0.49, at 100k GPU-hours on an 8B model.
 
-Where this departs from the paper, and why: two seeds and one 0.43M-parameter model on a synthetic task,
-minutes of CPU instead of 100k GPU-hours; on a CPU `fp32_head` is a no-op, so the GRPO arm differs from
-ScaleRL in the loss (GRPO clipping, sample-level aggregation, prompt-level advantage normalisation), the
-off-policy mode (PPO-off-policy-k instead of PipelineRL-k), and no zero-variance filter or
-No-Positive-Resampling (presets.RECIPES).
+Where this departs from the paper, and why: two seeds and one 0.43M-parameter model on a synthetic
+task, minutes of CPU instead of 100k GPU-hours; on a CPU `fp32_head` is a no-op, so the GRPO arm
+differs from ScaleRL in the loss (GRPO clipping, sample-level aggregation, prompt-level advantage
+normalisation), the off-policy mode (PPO-off-policy-k instead of PipelineRL-k), and no
+zero-variance filter or No-Positive-Resampling (presets.RECIPES).
 """
 
 import argparse
@@ -40,8 +42,8 @@ PAPER_A = {"scalerl": 0.61, "deepseek-grpo": 0.49}  # Figure 2 (PAPER.md 10.2)
 
 
 def train(run_dir: str, recipe: str, seed: int, extra: list[str], timeout: float) -> float:
-    """One `python train.py` run into run_dir; returns its wall seconds. Raises RuntimeError naming the
-    run and the log file when train.py fails or runs past `timeout` s."""
+    """One `python train.py` run into run_dir; returns its wall seconds. Raises RuntimeError naming
+    the run and the log file when train.py fails or runs past `timeout` s."""
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--run-dir", run_dir]
     cmd += ["--recipe", recipe, "--seed", str(seed), *extra]
@@ -67,8 +69,8 @@ def curve(run_dir: str, x: str) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def describe(name: str, C, R, R0, n_boot: int) -> tuple[list[str], fit.SigmoidFit]:
-    """One table row (A, B, C_mid with bootstrap 95% intervals) and the fit; a failed fit gives a row
-    naming the error and None."""
+    """One table row (A, B, C_mid with bootstrap 95% intervals) and the fit; a failed fit gives a
+    row naming the error and None."""
     try:
         f = fit.fit_sigmoid(C, R, R0)
         bs = fit.bootstrap(f, C, R, n_boot=n_boot)
@@ -147,9 +149,8 @@ def main(argv=None):
             f"verdict, seed {seed}: {verdict(args.recipes, [runs[r, seed] for r in args.recipes])}"
         )
     paper = ", ".join(f"{r} A={PAPER_A[r]}" for r in args.recipes if r in PAPER_A)
-    print(
-        f"paper (Figure 2, 8B, 100k GPU-h): {paper or 'not in Figure 2'}; margin on A: +-{fit.A_MARGIN}"
-    )
+    paper = paper or "not in Figure 2"
+    print(f"paper (Figure 2, 8B, 100k GPU-h): {paper}; margin on A: +-{fit.A_MARGIN}")
     return 0 if not any(math.isnan(runs[k][2]) for k in runs) else 1
 
 

@@ -1,7 +1,7 @@
 """Benchmark: does the default run show the paper's method on every seed (issue 12, PAPER.md 8.5)?
 
-    python bench/seeds.py                          # python train.py --seed S for S = 0, 1, 2, one at a time
-    python bench/seeds.py --reuse                  # refit finished runs, train only the missing ones
+    python bench/seeds.py            # python train.py --seed S for S = 0, 1, 2, one at a time
+    python bench/seeds.py --reuse    # refit finished runs, train only the missing ones
     python bench/seeds.py --seeds 0 --steps 4 --eval-every 2 --eval-size 8   # smoke (extra flags go
                                                    # to every train.py run)
 
@@ -9,10 +9,10 @@ Each run's held-out curve (eval/pass_rate against gpu_hours, R0 = its step-0 eva
 with fit.py: on the whole run, and on the first half of its compute (fit.extrapolate, the §5
 protocol). Printed per seed, with the bar each must clear:
 - rise: final pass rate - R0 >= 0.30;
-- the whole-run fit converged with A identified (fit.fit_sigmoid's profile rule) and its pairs-bootstrap
-  95% interval for A at most 0.10 wide;
-- the half-run fit predicts the later evals within 0.03 on average (MAE) and its A lies within 0.05 of
-  the whole run's;
+- the whole-run fit converged with A identified (fit.fit_sigmoid's profile rule) and its
+  pairs-bootstrap 95% interval for A at most 0.10 wide;
+- the half-run fit predicts the later evals within 0.03 on average (MAE) and its A lies within
+  0.05 of the whole run's;
 - wall seconds of the train.py process (the tiny model's build included when it was not cached).
 One figure (--figure, default RUNS_DIR/seeds.png): every seed's evals, its half-run fit (solid up to
 half the compute, dashed beyond) and its whole-run A (dotted). Exits 1 when a seed misses a bar.

@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 class Policy(torch.nn.Module):
-    """train.Policy's layout (the LM under `lm.`), without importing train.py (which needs vLLM)."""
+    """trainer.Policy's layout (the LM under `lm.`), without importing trainer.py."""
 
     def __init__(self, lm):
         super().__init__()
@@ -63,7 +63,7 @@ class Policy(torch.nn.Module):
 
 
 def build(a, device) -> tuple[Policy, Qwen3Config]:
-    """A random Qwen3 of the requested shape, fp32, sharded as train.shard does (each layer, then
+    """A random Qwen3 of the requested shape, fp32, sharded as trainer.shard does (each layer, then
     the root)."""
     cfg = Qwen3Config(
         vocab_size=a.vocab,

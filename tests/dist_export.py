@@ -19,13 +19,14 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
-import train  # noqa: E402
+import launch  # noqa: E402
+import trainer  # noqa: E402
 
 
 def export(model_dir, out, rank, device):
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    policy = train.Policy(lm, fp32_head=True)
-    train.shard(policy, device)
+    policy = trainer.Policy(lm, fp32_head=True)
+    trainer.shard(policy, device)
     old = {}
     for dtype in (torch.float32, torch.bfloat16):
         out_dir = os.path.join(out, str(dtype).removeprefix("torch."))
@@ -48,7 +49,7 @@ def export(model_dir, out, rank, device):
 
 
 if __name__ == "__main__":
-    rank, world, device = train.setup_distributed()
+    rank, world, device = launch.setup_distributed()
     for i, model_dir in enumerate(sys.argv[2:]):
         export(model_dir, os.path.join(sys.argv[1], str(i)), rank, device)
-    train.dist.destroy_process_group()
+    launch.dist.destroy_process_group()

@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node 2 tests/dist_rank0_call.py MODE TIMEOUT_S BUSY_S OUT
 
-MODE "rank0_call": rank 0's work (a sleep of BUSY_S) runs through train.rank0_call, whose result
+MODE "rank0_call": rank 0's work (a sleep of BUSY_S) runs through launch.rank0_call, whose result
 every rank gets; "plain": rank 0 sleeps, then joins a barrier the others wait in (what train.py did
 before: the other ranks' wait is one collective, which the TIMEOUT_S process-group timeout ends);
 "error": rank 0's work raises ValueError after BUSY_S (rank 0 gets it, the others a RuntimeError
@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
+import launch  # noqa: E402
 
 
 def work(mode: str, busy: float):
@@ -31,7 +31,7 @@ def work(mode: str, busy: float):
 
 if __name__ == "__main__":
     mode, timeout_s, busy, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-    rank, world, _ = train.setup_distributed(timeout_s)
+    rank, world, _ = launch.setup_distributed(timeout_s)
     t0, got = time.perf_counter(), {}
     try:
         if mode == "plain":
@@ -40,7 +40,7 @@ if __name__ == "__main__":
             dist.barrier()
             got["value"] = "done"
         else:
-            got["value"] = train.rank0_call(lambda: work(mode, busy), share=True)
+            got["value"] = launch.rank0_call(lambda: work(mode, busy), share=True)
     except Exception as e:  # recorded for the test, then the rank fails as it would in a run
         got["error"] = f"{type(e).__name__}: {e}"
     got["seconds"] = time.perf_counter() - t0

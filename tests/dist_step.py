@@ -1,4 +1,5 @@
-"""One train.train_step on a saved batch, on however many ranks torchrun gives it (tests/test_train.py).
+"""One trainer.train_step on a saved batch, on however many ranks torchrun gives it
+(tests/test_train.py).
 
     torchrun --nproc_per_node N tests/dist_step.py MODEL_DIR BATCH.pt OUT.pt [LAYOUT ...]
 
@@ -13,16 +14,18 @@ import os
 import sys
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import train  # noqa: E402
+import launch  # noqa: E402
+import trainer  # noqa: E402
 
 if __name__ == "__main__":
     model_dir, batch_path, out = sys.argv[1:4]
-    rank, world, device = train.setup_distributed()
-    batch, results, varlen = torch.load(batch_path), {}, train.varlen_attention
+    rank, world, device = launch.setup_distributed()
+    batch, results, varlen = torch.load(batch_path), {}, trainer.varlen_attention
     for layout in sys.argv[4:] or ["32768:3:0"]:
         budget, rows, pack = map(int, layout.split(":"))
         args = config.Args(
@@ -32,11 +35,11 @@ if __name__ == "__main__":
             warmup_steps=1,
             adam_eps=1e-6,
         )
-        train.varlen_attention = (lambda lm: True) if pack else varlen
-        policy = train.Policy(
+        trainer.varlen_attention = (lambda lm: True) if pack else varlen
+        policy = trainer.Policy(
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args.fp32_head
         )
-        train.shard(policy, device)
+        trainer.shard(policy, device)
         optimizer = torch.optim.AdamW(
             policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
         )
@@ -47,11 +50,11 @@ if __name__ == "__main__":
             return adam_step()
 
         optimizer.step = record_then_step  # every rank gathers: full_tensor is a collective
-        metrics = train.train_step(policy, optimizer, batch, args, device)
-        sd = train.get_model_state_dict(
-            policy, options=train.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        metrics = trainer.train_step(policy, optimizer, batch, args, device)
+        sd = get_model_state_dict(
+            policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         results[layout] = {"metrics": metrics, "weights": sd, "grads": grads}
     if rank == 0:
         torch.save(results, out)
-    train.dist.destroy_process_group()
+    launch.dist.destroy_process_group()

@@ -66,7 +66,7 @@ def test_final_export_equals_save_pretrained(tmp_path, tied):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=3, tie_word_embeddings=tied)
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = torch.nn.Module()
-    policy.lm = lm  # train.Policy's parameter names: the LM under `lm.`
+    policy.lm = lm  # trainer.Policy's parameter names: the LM under `lm.`
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = get_model_state_dict(policy, options=options)
     old_dir = tmp_path / "old"

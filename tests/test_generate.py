@@ -456,7 +456,7 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
 
     import checkpoint
-    import train
+    import trainer
 
     sizes = {"qwen3-0.6b": (1024, 3072, 28, 16), "qwen3-8b": (4096, 12288, 36, 32)}[preset]
     cfg = Qwen3Config(
@@ -470,7 +470,7 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
         tie_word_embeddings=tied,
     )
     with torch.device("meta"):  # the real shapes, no memory
-        policy = train.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
+        policy = trainer.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
     meta = checkpoint.sampler_source(policy, torch.bfloat16).metadata()
     names = [m.name for m in meta]
     assert len(names) == len(set(names)) == 2 + (not tied) + 11 * sizes[2]  # 11 HF tensors a layer
@@ -488,16 +488,16 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
 
 @pytest.mark.vllm
 def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
-    """The (name, tensor) pairs the NCCL sender would broadcast, from a train.Policy, go through the
-    CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights): the
-    engine's own parameter names are exactly what they map onto, and afterwards its log-probs are
-    the new model's, as after a disk reload of the same weights (tied head included)."""
+    """The (name, tensor) pairs the NCCL sender would broadcast, from a trainer.Policy, go through
+    the CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights):
+    the engine's own parameter names are exactly what they map onto, and afterwards its log-probs
+    are the new model's, as after a disk reload of the same weights (tied head included)."""
     import checkpoint
-    import train
+    import trainer
 
     s, run = vllm_engine.sampler, vllm_engine.run
     model_dir = tiny.random_model(str(tmp_path / "seed7"), seed=7)
-    policy = train.Policy(Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32), True)
+    policy = trainer.Policy(Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32), True)
     pairs = list(checkpoint.sampler_weights(policy, torch.float32))
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
 

@@ -8,15 +8,16 @@ resume); rollouts with a non-finite behaviour log-prob dropped before the batch,
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
 15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
-(train.rank0_call), while one plain collective does (the control).
+(launch.rank0_call), while one plain collective does (the control).
 
-Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the flag and the
-value, exit code 2, no run directory, without importing torch (nor does --help); a bad input found while loading
-(data file, columns, --eval-size, an unreachable hub model) one line, exit code 1, no run directory; a run
-directory without a checkpoint is started again from step 0 and the two messages never point at each other; a
-terminal's Ctrl-C (SIGINT to the process group) checkpoints and exits 0 within 60 s leaving no process, --resume
-continues, a second Ctrl-C quits at once (130) with no traceback; kill -9 of the trainer alone leaves no process
-after 10 s and no weight directory."""
+Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the
+flag and the value, exit code 2, no run directory, without importing torch (nor does --help); a bad
+input found while loading (data file, columns, --eval-size, an unreachable hub model) one line, exit
+code 1, no run directory; a run directory without a checkpoint is started again from step 0 and the
+two messages never point at each other; a terminal's Ctrl-C (SIGINT to the process group)
+checkpoints and exits 0 within 60 s leaving no process, --resume continues, a second Ctrl-C quits at
+once (130) with no traceback; kill -9 of the trainer alone leaves no process after 10 s and no
+weight directory."""
 
 import contextlib
 import glob
@@ -38,9 +39,12 @@ import checkpoint
 import config
 import data
 import generate
-import pipeline
+import launch
+import offpolicy
+import records
 import tiny
 import train
+import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
@@ -191,8 +195,9 @@ def test_bad_input_fails_before_any_work(argv, world, match):
     assert info.value.code == 2
 
 
-# One line each on stderr, `train.py: ` + the message written out here, exit code 2, no run directory; before
-# torch is imported (measured: ~1 s on 2 idle cores, against ~14 s before, when config.py imported vLLM).
+# One line each on stderr, `train.py: ` + the message written out here, exit code 2, no run
+# directory; before torch is imported (measured: ~1 s on 2 idle cores, against ~14 s before, when
+# config.py imported vLLM).
 FLAG_ERRORS = [
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--steps", "-3"], "--steps -3: must be >= 1"),
@@ -249,8 +254,9 @@ def write_jsonl(path, rows):
     "case", ["no such file", "no answer column", "eval size", "task weights", "hub model"]
 )
 def test_bad_input_found_loading_one_line_exit_1_no_run_dir(tmp_path, case):
-    """Exit code 1, one line naming the flag and the value, no run directory; before vLLM loads. A hub id
-    that is neither cached nor reachable fails at once (transformers alone retried for ~60 s here)."""
+    """Exit code 1, one line naming the flag and the value, no run directory; before vLLM loads. A
+    hub id that is neither cached nor reachable fails at once (transformers alone retried for ~60 s
+    here)."""
     noanswer = write_jsonl(tmp_path / "noanswer.jsonl", [{"question": "1+1", "result": "2"}])
     argv, line = {
         "no such file": (
@@ -298,7 +304,8 @@ def test_bad_input_found_loading_one_line_exit_1_no_run_dir(tmp_path, case):
 def test_unknown_model_gets_cpu_sized_defaults_without_cuda(monkeypatch):
     monkeypatch.setattr(config, "has_cuda", lambda: False)
     a = config.parse_args(["--model", "org/any-model"])
-    # the smollm2-135m row's sizes (4 prompts x 4, 100 steps, an eval of 8 x 2), gsm8k unless --data says
+    # the smollm2-135m row's sizes (4 prompts x 4, 100 steps, an eval of 8 x 2), gsm8k unless --data
+    # says
     assert (a.path, a.steps, a.prompts_per_step, a.group_size, a.eval_size, a.eval_n) == (
         "org/any-model",
         100,
@@ -323,9 +330,10 @@ def test_unknown_model_gets_cpu_sized_defaults_without_cuda(monkeypatch):
 def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     tmp_path, monkeypatch, capsys
 ):
-    """A directory whose run stopped before its first checkpoint is reused (or, with --resume, started again
-    under its saved flags), saying so; one with a checkpoint is refused without --resume, and the refusal names
-    --resume DIR, which then parses: neither message points back at the other."""
+    """A directory whose run stopped before its first checkpoint is reused (or, with --resume,
+    started again under its saved flags), saying so; one with a checkpoint is refused without
+    --resume, and the refusal names --resume DIR, which then parses: neither message points back at
+    the other."""
     stale = tmp_path / "stale"
 
     def stopped_early():  # what a run killed before its first checkpoint leaves
@@ -338,8 +346,8 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     monkeypatch.setattr(checkpoint, "run_metadata", lambda world: {"commit": "x"})  # no vLLM import
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(train.free_port()))
-    train.setup_distributed()
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    launch.setup_distributed()
     try:
         for argv, steps, saved in (
             ("--run-dir", 100, ""),
@@ -348,7 +356,7 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
             stopped_early()
             args = config.parse_args([argv, str(stale)])
             config.validate(args, 1)
-            run_dir, args, _ = train.open_run_dir(args, 1, True)
+            run_dir, args, _ = launch.open_run_dir(args, 1, True)
             assert run_dir == str(stale) and args.resume is None and args.steps == steps
             assert sorted(os.listdir(stale)) == ["args.json", "meta.json", "notes.txt"]
             assert json.loads((stale / "args.json").read_text())["steps"] == steps
@@ -356,7 +364,7 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
             assert f"{stale} holds no checkpoint yet" in said
             assert f"starting it again from step 0{saved}\n" in said
     finally:
-        train.dist.destroy_process_group()
+        launch.dist.destroy_process_group()
     (stale / "state.json").write_text('{"step": 2}')  # now it holds a checkpoint
     refusal = (
         rf"--run-dir {re.escape(str(stale))}: .* continue it with --resume {re.escape(str(stale))},"
@@ -375,7 +383,7 @@ def test_packing_only_where_attention_is_varlen():
 
     tiny_cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
     lm = AutoModelForCausalLM.from_config(Qwen3Config(**tiny_cfg))
-    assert lm.config._attn_implementation == "sdpa" and not train.varlen_attention(lm)
+    assert lm.config._attn_implementation == "sdpa" and not trainer.varlen_attention(lm)
     for impl, varlen in (
         ("eager", False),
         ("flex_attention", False),
@@ -383,18 +391,18 @@ def test_packing_only_where_attention_is_varlen():
         ("kernels-community/flash-attn3", True),
     ):
         lm.config._attn_implementation = impl
-        assert train.varlen_attention(lm) == varlen, impl
+        assert trainer.varlen_attention(lm) == varlen, impl
 
 
 def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
     lengths = [5, 30, 12, 7, 30, 3, 9, 12]
     args = config.Args(max_tokens_per_microbatch=32, micro_batch_size=3)
-    padded = train.plan_microbatches(lengths, 2, args, pack=False)
+    padded = trainer.plan_microbatches(lengths, 2, args, pack=False)
     # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples
     # 1, 2, 6, 5 (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5);
     # padded cost = rows x longest
     assert padded == [[[1], [2, 6], [5]], [[4], [7, 3], [0]]]
-    packed = train.plan_microbatches(lengths, 2, args, pack=True)
+    packed = trainer.plan_microbatches(lengths, 2, args, pack=True)
     assert packed == [[[1], [2, 6, 5]], [[4], [7, 3, 0]]]  # sums 24 <= 32; 3 rows at most
     for plan, cost in ((padded, lambda mb: len(mb) * max(lengths[i] for i in mb)), (packed, None)):
         rows = sorted(i for rank in plan for mb in rank for i in mb)
@@ -402,9 +410,9 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
         for mb in (mb for rank in plan for mb in rank):
             c = cost(mb) if cost else sum(lengths[i] for i in mb)
             assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
-    assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
+    assert trainer.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
     legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
-    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
+    assert trainer.plan_microbatches(lengths, 2, legacy, pack=False) == [
         [[0, 2, 4], [6]],
         [[1, 3, 5], [7]],
     ]
@@ -414,7 +422,8 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
 
 
 def fixed_batch(model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4):
-    """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's own."""
+    """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's
+    own."""
     g = torch.Generator().manual_seed(0)
     S, T = len(lengths), max(lengths)
     input_ids = torch.randint(0, 256, (S, T), generator=g)
@@ -465,7 +474,8 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
             timeout=300,
         )
         results[n] = torch.load(tmp_path / f"out{n}.pt")["32768:3:0"]
-    # Reference: plain transformers + autograd, the paper's formulas written out (no FSDP, no chunking).
+    # Reference: plain transformers + autograd, the paper's formulas written out (no FSDP, no
+    # chunking).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
         :, :-1
@@ -485,7 +495,8 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
     ).sum()  # CISPO (Eq. 4)
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    # eps 1e-6 (dist_step.py too): with the paper's 1e-15 a first Adam step is lr * sign(g), blind to magnitudes
+    # eps 1e-6 (dist_step.py too): with the paper's 1e-15 a first Adam step is lr * sign(g), blind
+    # to magnitudes
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     opt.step()
     ref_weights = {f"lm.{k}": v for k, v in model.state_dict().items()}
@@ -512,7 +523,7 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
     assert [
         len(p)
-        for p in train.plan_microbatches(
+        for p in trainer.plan_microbatches(
             [16, 6, 6, 6, 8, 8, 7, 7], 2, config.Args(max_tokens_per_microbatch=16), False
         )
     ] == [3, 2]
@@ -568,7 +579,7 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
         }
         h["eval/pass_rate"] = (h["eval/a/pass_rate"] + h["eval/b/pass_rate"]) / 2
         history.append(h)
-    out = train.final_fit(str(tmp_path), history)
+    out = records.final_fit(str(tmp_path), history)
     with open(tmp_path / "fit.json") as f:
         assert json.load(f) == json.loads(json.dumps(out))
     assert set(out["tasks"]) == {"a", "b"} and out["fit_until"] == pytest.approx(30)
@@ -582,11 +593,11 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
     # a task whose curve cannot be fitted keeps its error; the others are still fitted
     for h in history[1:]:
         h["eval/b/pass_rate"] = 0.3
-    out = train.final_fit(str(tmp_path), history)
+    out = records.final_fit(str(tmp_path), history)
     assert "R is flat" in out["tasks"]["b"]["error"] and "A" in out["tasks"]["a"]
     # one task: fit.json as before, no "tasks"
     single = [{k: v for k, v in h.items() if "/a/" not in k and "/b/" not in k} for h in history]
-    assert "tasks" not in train.final_fit(str(tmp_path), single)
+    assert "tasks" not in records.final_fit(str(tmp_path), single)
 
 
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
@@ -597,12 +608,12 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         WORLD_SIZE="1",
         LOCAL_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(train.free_port()),
+        MASTER_PORT=str(launch.free_port()),
     ).items():
         monkeypatch.setenv(
             k, v
         )  # a 1-rank group in this process; the variables go away with the test
-    rank, world, device = train.setup_distributed()
+    rank, world, device = launch.setup_distributed()
     try:
         args = config.Args(max_tokens_per_microbatch=28)  # 2 rows of 14 at a time
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -610,12 +621,12 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
             lm.model.layers[1].mlp.down_proj.weight[0, 0] = float(
                 "nan"
             )  # poisons every position after the first
-        policy = train.Policy(lm, True)
-        train.shard(policy, device)
+        policy = trainer.Policy(lm, True)
+        trainer.shard(policy, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
         with pytest.raises(FloatingPointError, match="log-prob or loss in batch sample 0"):
-            train.train_step(policy, optimizer, batch, args, device)
+            trainer.train_step(policy, optimizer, batch, args, device)
         after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
         assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
         assert not optimizer.state  # the optimizer never stepped
@@ -628,9 +639,9 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
             (dict(mask=col0), r"mask\[:, 0\] is True"),
         ):  # checked once per step on the CPU, before any compute
             with pytest.raises(ValueError, match=match):
-                train.train_step(policy, optimizer, {**batch, **bad}, args, device)
+                trainer.train_step(policy, optimizer, {**batch, **bad}, args, device)
     finally:
-        train.dist.destroy_process_group()
+        launch.dist.destroy_process_group()
 
 
 def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_batch(capsys):
@@ -644,16 +655,8 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
         )
 
     def group(index, comps, rewards):
-        return pipeline.Group(
-            data.Prompt(index, f"q{index}", "1", (1, 2), True),
-            index,
-            comps,
-            rewards,
-            0,
-            0,
-            index,
-            0.0,
-        )
+        prompt = data.Prompt(index, f"q{index}", "1", (1, 2), True)
+        return offpolicy.Group(prompt, index, comps, rewards, 0, 0.0)
 
     nan, inf = float("nan"), float("inf")
     groups = [
@@ -679,7 +682,7 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
         msg.format(*x)
         for x in [(1, 5, "nan", 1), (3, 5, "-inf", 0), (0, 9, "nan", 0), (1, 9, "inf", 0)]
     ]
-    batch = train.collate(kept, 0, config.Args())
+    batch = trainer.collate(kept, 0)
     assert torch.isfinite(torch.where(batch["mask"], batch["old_logp"], 0.0)).all()
     assert batch["group_ids"].tolist() == [0, 0, 1, 1]  # advantages see groups of 2 and 2
 
@@ -746,11 +749,11 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
-    """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while
-        the other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in
-        one plain collective instead, the other rank fails after the timeout (the control: the timeout
-        does bite); rank 0's work raising reaches rank 0 as that exception, the other rank as a
-    RuntimeError naming it, at once."""
+    """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while the
+    other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in one
+    plain collective instead, the other rank fails after the timeout (the control: the timeout does
+    bite); rank 0's work raising reaches rank 0 as that exception, the other rank as a RuntimeError
+    naming it, at once."""
     timeout_s, busy = 10, 25
     runs = {
         mode: subprocess.Popen(
@@ -831,8 +834,8 @@ def test_two_rank_torchrun_run(tiny_model, tmp_path):
 
 
 def start_train(argv, out_dir, name):
-    """train.py in its own session (a terminal's foreground process group: pgid = its pid), stdout and stderr to
-    files; returns (Popen, stdout path, stderr path)."""
+    """train.py in its own session (a terminal's foreground process group: pgid = its pid), stdout
+    and stderr to files; returns (Popen, stdout path, stderr path)."""
     out, err = out_dir / f"{name}.out", out_dir / f"{name}.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
@@ -859,13 +862,14 @@ def wait_for(proc, path, pattern, timeout=600):
 
 
 def run_processes(pid):
-    """The run's processes besides the trainer: vLLM's EngineCore and Worker, reward workers, the resource
-    tracker, the watchdog."""
+    """The run's processes besides the trainer: vLLM's EngineCore and Worker, reward workers, the
+    resource tracker, the watchdog."""
     return psutil.Process(pid).children(recursive=True)
 
 
 def gone_within(procs, seconds):
-    """[] once every process ended (zombies count as ended), else what is still alive after `seconds`."""
+    """[] once every process ended (zombies count as ended), else what is still alive after
+    `seconds`."""
     names, deadline = {}, time.monotonic() + seconds
     for p in procs:
         with contextlib.suppress(psutil.Error):
@@ -885,11 +889,12 @@ def gone_within(procs, seconds):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_path):
-    """What a terminal's Ctrl-C does: SIGINT to the whole process group (vLLM's processes stop on it too). Once:
-    exit 0 within 60 s, no traceback, a checkpoint of the last completed step (none existed: --save-every 0), logs
-    continuous up to it, no process left. The run directory held a run stopped before its first checkpoint: it
-    is reused, saying so. Then --resume continues from the checkpoint, and Ctrl-C twice quits at once (130), no
-    traceback, the watchdog ending the engine's processes within 10 s."""
+    """What a terminal's Ctrl-C does: SIGINT to the whole process group (vLLM's processes stop on it
+    too). Once: exit 0 within 60 s, no traceback, a checkpoint of the last completed step (none
+    existed: --save-every 0), logs continuous up to it, no process left. The run directory held a
+    run stopped before its first checkpoint: it is reused, saying so. Then --resume continues from
+    the checkpoint, and Ctrl-C twice quits at once (130), no traceback, the watchdog ending the
+    engine's processes within 10 s."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "args.json").write_text("{}")
@@ -986,7 +991,8 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     unfinished = saved["pool"]["unfinished"]
     assert unfinished, "nothing was in flight at the checkpoint"
     out = run_train(["--resume", run_dir])
-    # every step loads new weights into vLLM, with neither loading bars nor "Failed to load weights" warnings
+    # every step loads new weights into vLLM, with neither loading bars nor "Failed to load weights"
+    # warnings
     assert "Failed to load weights" not in out.stderr and "Loading safetensors" not in out.stderr
     steps, evals = split_lines(run_dir)
     assert [m["step"] for m in steps] == list(
@@ -1012,4 +1018,4 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     with open(os.path.join(run_dir, "heldout.json")) as f:
         assert json.load(f)[
             "heldout"
-        ]  # the same split file, reused (data.split_heldout checks its fingerprint)
+        ]  # the same split file, reused (heldout.split_heldout checks its fingerprint)

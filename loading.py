@@ -1,0 +1,226 @@
+"""What a run starts from: the model (a preset built here, a directory or a hub id), its tokenizer
+and thinking mode, the prompts with their reward functions, each checked before anything is
+written, so that a bad input costs one line and no run directory (issue 13); then the placement,
+the fp32 weights, and once the run directory exists, the held-out split and the prompt pool.
+
+    python train.py --data nope.jsonl    # train.py: --data nope.jsonl: no such file (exit 1)
+
+Every function here is called on every rank; rank 0 builds the tiny model and prints.
+"""
+
+import collections
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import code_reward
+import config
+import data
+import filters
+import heldout
+import placement
+import reward
+import sandbox
+import tiny
+from config import Args, BadInput
+from launch import plan_placement
+
+
+def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
+    """The reward function of each kind (data.Prompt.kind) among `prompts`, for the pipeline:
+    math-verify for math, the problem's unit tests run in a bubblewrap sandbox for code. Raises
+    BadInput (code 1) with sandbox.check's one-line error when code is present and no sandbox can
+    be made here; --unsafe-no-sandbox runs code without one, with a warning at every start."""
+    fns = {"math": reward.math_rewards}
+    if any(p.kind == "code" for p in prompts):
+        try:
+            sandbox.check(sandboxed=not unsafe_no_sandbox)
+        except RuntimeError as e:
+            raise BadInput(str(e), 1) from None
+        fns["code"] = functools.partial(code_reward.code_rewards, sandboxed=not unsafe_no_sandbox)
+    return fns
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def hub_model(repo: str) -> str:
+    """A hub model's cached snapshot directory (no network needed), else `repo` once one quick
+    request has shown the hub serves it; without this, transformers retries an unreachable hub for
+    about a minute. Raises BadInput (code 1) when the model is neither cached nor reachable."""
+    from huggingface_hub import constants, model_info, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise BadInput(
+            f"--model {repo}: not in the local Hugging Face cache (HF_HUB_OFFLINE is set)", 1
+        )
+    try:
+        model_info(repo, timeout=10)
+    except RepositoryNotFoundError as e:  # gated and private repos too
+        raise BadInput(
+            f"--model {repo}: no such model on the Hugging Face hub, or HF_TOKEN needed", 1
+        ) from e
+    except Exception as e:  # the hub client's connection errors
+        why = f"not in the local Hugging Face cache, and the hub is unreachable ({one_line(e)})"
+        raise BadInput(f"--model {repo}: {why}", 1) from e
+    return repo
+
+
+def model_path(args: Args, master: bool) -> str:
+    """The model directory or hub id: --model's path, else the tiny model (built once and cached;
+    rank 0 builds, the others wait) or SmolLM2. A hub id is resolved to its cached snapshot
+    (hub_model). Raises BadInput (code 1)."""
+    path = [args.path, None]  # the model directory or hub id, and rank 0's error building it
+    if path[0] is None and master:
+        try:
+            path[0] = tiny.build(seed=args.seed) if args.model == "tiny" else tiny.smollm2()
+        except RuntimeError as e:  # smollm2 without its packages: the message gives the pip command
+            path[1] = str(e)
+    dist.broadcast_object_list(path)
+    if path[1] is not None:
+        raise BadInput(path[1], 1)
+    if config.model_kind(path[0]) == "hub":
+        return hub_model(path[0])
+    return path[0]
+
+
+def load_tokenizer(args: Args, path: str, master: bool):
+    """(tokenizer, thinking): whether the model thinks is read from its chat template
+    (data.thinking_mode) unless --thinking forces it, and printed. Raises BadInput naming the flag
+    (code 1; 2 for --thinking)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--model {args.model}: cannot load its tokenizer: {one_line(e)}", 1) from e
+    try:
+        thinking = data.thinking_mode(tokenizer, args.thinking)  # the template's, unless forced
+    except ValueError as e:
+        raise BadInput(f"--thinking {args.thinking}: {one_line(e)}", 2) from e
+    if master:
+        how = "from the chat template" if args.thinking == "auto" else "forced"
+        print(f"thinking {('off', 'on')[thinking]} (--thinking {args.thinking}: {how})", flush=True)
+    return tokenizer, thinking
+
+
+def load_prompts(args: Args, tokenizer, thinking: bool) -> list:
+    """--data's prompts (data.load_prompts), checked against --eval-size (held out per task) and
+    --task-weights. Raises BadInput (code 1) naming the flag and its value."""
+    try:
+        prompts = data.load_prompts(
+            args.data,
+            tokenizer,
+            thinking=thinking,
+            max_prompt_len=args.max_prompt_len,
+            question_key=args.question_key,
+            answer_key=args.answer_key,
+            seed=args.seed,
+        )
+    except (OSError, ValueError, ImportError) as e:  # data.py's messages start with the source
+        msg = one_line(e)
+        if not msg.startswith(args.data):
+            msg = f"{args.data}: {msg}"
+        raise BadInput(f"--data {msg}", 1) from e
+    tasks = collections.Counter(p.task for p in prompts)
+    task, n = min(tasks.items(), key=lambda item: item[1])
+    if args.eval_size >= n:  # held out per task (heldout.split_heldout)
+        of = f"task {task} of --data {args.data}" if len(tasks) > 1 else f"--data {args.data}"
+        raise BadInput(
+            f"--eval-size {args.eval_size}: must be less than the {n} prompts of {of}", 1
+        )
+    try:
+        filters.task_weights(list(tasks), config.parse_task_weights(args.task_weights))
+    except ValueError as e:
+        raise BadInput(f"--task-weights {' '.join(args.task_weights)}: {e}", 1) from e
+    return prompts
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run starts from, loaded and checked before anything is written (load_inputs)."""
+
+    path: str  # the model directory or hub id
+    tokenizer: object
+    prompts: list  # data.Prompt, every task's, before the held-out split
+    thinking: bool  # the chat template's thinking mode, or --thinking's
+    reward_fn: dict  # data.Prompt.kind -> reward function (reward_fns)
+    P: int  # prompt groups per step: --prompts-per-step x --batch-scale
+    gen_dtype: torch.dtype  # the sampler's weights (sampler_dtype)
+    plan: placement.Plan  # trainer ranks, vLLM engines, their GPUs and memory
+    lm: torch.nn.Module  # the fp32 master weights
+    n_params: int
+
+
+def load_inputs(args: Args, world: int, device) -> Inputs:
+    """Model path, tokenizer, prompts and their reward functions, each checked before the run
+    directory exists, so that a failed start leaves nothing behind (issue 13); then the placement
+    (which refuses before the model loads) and the model's fp32 weights. Raises BadInput (code 1;
+    2 for --thinking) naming the flag and its value."""
+    master = dist.get_rank() == 0
+    if master and device.type != "cuda" and config.model_kind(args.model) in ("dir", "hub"):
+        cpu = ", ".join(f"{k} {getattr(args, k)}" for k in config.PRESETS["hf-cpu"] if k != "path")
+        print(f"--model {args.model} without CUDA: CPU-sized defaults ({cpu}); flags override them")
+    path = model_path(args, master)
+    tokenizer, thinking = load_tokenizer(args, path, master)
+    prompts = load_prompts(args, tokenizer, thinking)
+    reward_fn = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
+    gen_dtype = sampler_dtype(args, device)
+    P = round(args.prompts_per_step * args.batch_scale)
+    n_tasks = len({p.task for p in prompts}) if prompts else 1  # each holds out eval_size prompts
+    plan = plan_placement(args, path, world, gen_dtype, P, n_tasks)
+    lm = load_model(args, path)
+    n_params = sum(p.numel() for p in lm.parameters())
+    return Inputs(path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads the trainer's batch (masked, never trained): pad, else EOS, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id or 0
+
+
+def sampler_dtype(args: Args, device) -> torch.dtype:
+    """The sampler's weights: bf16 on GPU, fp32 on CPU for --gen-dtype auto (vLLM's own "auto" would
+    pick bf16 there too, and the trainer is fp32), else the dtype named."""
+    if args.gen_dtype != "auto":
+        return getattr(torch, args.gen_dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(args: Args, path: str):
+    """The fp32 master weights (seeded by --seed). Raises BadInput (code 1) naming --model."""
+    torch.manual_seed(args.seed)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--model {args.model}: cannot load its weights: {one_line(e)}", 1) from e
+
+
+def heldout_and_pool(args: Args, prompts: list, run_dir: str, master: bool):
+    """(train_prompts, eval_prompts, pool): rank 0 draws (or, resuming, restores) the held-out split
+    of eval_size prompts per task (heldout.split_heldout, heldout.json); the others then read it. The
+    pool (filters.prompt_pool): one PromptPool per task, tasks drawn by --task-weights, prompts by
+    No-Positive-Resampling (§3.2) or in uniform epochs."""
+    for turn in (master, not master):
+        if turn:
+            train_prompts, eval_prompts = heldout.split_heldout(
+                prompts, args.eval_size, seed=args.seed, run_dir=run_dir
+            )
+        dist.barrier()
+    pool = filters.prompt_pool(
+        [p.task for p in train_prompts],
+        config.parse_task_weights(args.task_weights),
+        threshold=args.npr_threshold,
+        policy=args.prompt_sampling,
+        seed=args.seed,
+    )
+    return train_prompts, eval_prompts, pool

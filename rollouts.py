@@ -1,0 +1,272 @@
+"""The vLLM side of a run, driven from the trainer: rank 0's pipeline (producer thread, sampler and
+eval engine; pipeline.py) started from the run's current weights, and each step's weights pushed
+to it (in flight, PipelineRL §3.1; or once per round, PPO-off-policy-k).
+
+    python train.py --steps 2 --eval-every 2   # train.main starts the pipeline and pushes weights
+
+Sampler weights are bf16 on GPU and fp32 on CPU (--gen-dtype auto); the trainer keeps fp32 masters.
+Importing this module imports vLLM (~10 s): train.py does it once the inputs have loaded.
+"""
+
+import logging
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import engine
+import generate
+import pipeline
+from config import Args
+from launch import free_port, rank0_call
+
+EVAL_NICE = 19  # the eval engine's CPU priority when it shares the CPU with the trainer (lowest)
+
+
+def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
+    """push(version, snapshot=None), called on every rank after each step: the new weights to the
+    sampler, as trainer version `version`. "disk": gathered per parameter in the sampler dtype
+    (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
+    flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
+    engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
+    tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
+    pipeline releases the version (pipe.publish_by), every rank joining the gathers.
+    snapshot (every rank or none; an eval step): called on rank 0 with a directory holding the
+    version's weights (with None elsewhere) before the sampler may load and delete it, for
+    pipe.submit_eval to snapshot. Under "nccl" that directory is written for it (an export, every
+    rank joining, once per eval) and deleted after."""
+    if backend == "disk":
+
+        def push(version: int, snapshot=None) -> None:
+            out_dir = pipe.weights_dir(version) if pipe else None
+            checkpoint.export_weights(policy, out_dir, dtype)
+            if snapshot is not None:
+                snapshot(out_dir)
+            if pipe:
+                pipe.publish(out_dir, version)
+
+        return push
+    client = pipe.sampler.sync_client(pipe.loop) if pipe else None
+    sync = checkpoint.nccl_sender(
+        policy,
+        dtype,
+        rank=dist.get_rank(),
+        client=client,
+        port=free_port(),
+        world_size=1 + engine_ranks,
+    )
+
+    def push(version: int, snapshot=None) -> None:
+        if snapshot is not None:  # the eval engine loads from disk: one export per eval
+            out_dir = pipe.weights_dir(version) if pipe else None
+            checkpoint.export_weights(policy, out_dir, dtype)
+            snapshot(out_dir)
+            if pipe:
+                shutil.rmtree(out_dir)
+        go = [pipe.releases() if pipe else None]
+        dist.broadcast_object_list(go)  # PPO-off-policy-k sends once per round: all ranks or none
+        if pipe:
+            pipe.publish_by(version, sync.send_weights)
+        elif go[0]:
+            sync.send_weights()
+
+    return push
+
+
+def start_weights(args: Args, run_dir: str, policy, inputs) -> str | None:
+    """Where the sampler and the eval engine start from on --resume: the restored weights, exported
+    in the sampler dtype with the config and tokenizer (inputs: loading.Inputs) into a temporary
+    directory in the run directory (rank 0's path; None on the other ranks). None without
+    --resume: the engines start from the model path."""
+    if not args.resume:
+        return None
+    master = dist.get_rank() == 0
+    start_dir = tempfile.mkdtemp(prefix="resume_", dir=run_dir) if master else None
+    checkpoint.export_pretrained(policy, inputs.tokenizer, start_dir, inputs.gen_dtype)
+    return start_dir
+
+
+def engine_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int) -> tuple:
+    """(sampler, eval engine): the keyword arguments of the two vLLM engines (generate.Sampler),
+    from the flags and the placement plan. On CPU the eval engine takes the cycles the trainer
+    leaves (nice EVAL_NICE)."""
+    sampler = dict(
+        think_budget=tuple(args.think_budget),
+        answer_budget=args.answer_budget,
+        phrase=args.phrase,
+        temperature=args.temperature,
+        seed=seed,
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=args.max_model_len,
+        gpus=plan.generator,
+        tensor_parallel_size=plan.tp,
+        data_parallel_size=plan.dp,
+        gpu_memory_utilization=plan.utilization,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=plan.max_num_seqs,
+        weight_transfer=backend,
+        interruptions=args.interruptions,
+        fp32_head=args.fp32_head,
+    )
+    eval_engine = dict(
+        sampler,
+        gpus=plan.eval.gpus,
+        tensor_parallel_size=plan.eval.tp,
+        data_parallel_size=plan.eval.dp,
+        gpu_memory_utilization=plan.eval.utilization,
+        max_num_seqs=plan.eval.max_num_seqs,
+        weight_transfer="disk",  # snapshots: an eval loads one version, once
+    )
+    if not torch.cuda.is_available():  # one device: the eval engine gets what the trainer leaves
+        eval_engine.update(nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
+    return sampler, eval_engine
+
+
+def max_evals_pending(args: Args, weights_bytes: int) -> int:
+    """How many evals may queue before a step waits for one. On CPU the eval engine (nice 19) only
+    gets the cycles the trainer leaves, so evals fall behind; rather than stall training they
+    queue, each a snapshot of hard links to one published version, up to 1 GiB of them (the tiny
+    model: every eval of the run); the run's end waits for them (issue 10)."""
+    if torch.cuda.is_available():
+        return pipeline.EVALS_PENDING
+    queued = min(args.steps // args.eval_every + 2, 2**30 // weights_bytes)
+    return max(pipeline.EVALS_PENDING, queued)
+
+
+def transfer_backend(args: Args, plan) -> str:
+    """How each step's weights reach the sampler: "disk" or "nccl"
+    (engine.weight_transfer_backend: --weight-transfer, else NCCL only on GPU with dedicated
+    generator GPUs)."""
+    cuda = torch.cuda.is_available()
+    return engine.weight_transfer_backend(args.weight_transfer, cuda=cuda, dedicated=plan.dedicated)
+
+
+def new_pipeline(
+    args: Args,
+    inputs,
+    weights: str,
+    prompts,
+    pool,
+    version: int,
+    run_dir: str,
+    stop: dict,
+    backend: str,
+):
+    """Rank 0: the pipeline (pipeline.Pipeline: producer thread, sampler, eval engine) sampling
+    `prompts` from `pool`, started from `weights` at trainer version `version`, once its eval
+    engine runs (so that no Ctrl-C meets it starting; closed if it fails). inputs: loading.Inputs
+    (placement plan, P, reward functions, sampler dtype)."""
+    plan = inputs.plan
+    P = inputs.P
+    weights_bytes = inputs.n_params * inputs.gen_dtype.itemsize  # one version, as vLLM loads it
+    seed = args.seed + version
+    sampler, eval_engine = engine_kwargs(args, plan, inputs.gen_dtype, backend, seed=seed)
+    # a group may wait behind every rollout in flight, each up to max_model_len tokens
+    gen_timeout = args.gen_timeout or pipeline.group_timeout(
+        args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
+    )
+    pipe = pipeline.Pipeline(
+        weights,
+        prompts,
+        pool,
+        group_size=args.group_size,
+        prompts_per_step=P,
+        max_lag=args.max_lag,
+        mode=args.async_mode,
+        max_inflight=2 * P,
+        reward_fn=inputs.reward_fn,
+        sampler_kwargs=sampler,
+        gen_timeout=gen_timeout,
+        version=version,
+        weights_bytes=weights_bytes,
+        spill_dir=run_dir,
+        stop=lambda: stop["requested"],
+        evaluator=weights,
+        eval_sampler_kwargs=eval_engine,
+        max_evals_pending=max_evals_pending(args, weights_bytes),
+    )
+    try:
+        pipe.wait_eval_engine()
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe
+
+
+def warn_if_kv_short(pipe, plan, args: Args) -> None:
+    """Rank 0: a warning when vLLM's measured KV cache holds fewer sequences than the plan's
+    estimate (max_num_seqs), so that long rollouts may preempt one another."""
+    if pipe.sampler.kv_capacity < plan.max_num_seqs:
+        print(
+            f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
+            f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
+            f"{plan.max_num_seqs}: "
+            f"long rollouts may preempt one another",
+            flush=True,
+        )
+
+
+def run_line(
+    args: Args, inputs, run_dir, meta, world, device, backend, eval_prompts, prompts
+) -> str:
+    """What this run is, in one line (args.json and meta.json hold the rest)."""
+    P, G = inputs.P, args.group_size
+    return (
+        f"run {run_dir} | commit {meta['commit'][:7]} | torch {meta['torch']}, vllm {meta['vllm']}"
+        f" | {world} rank(s) on {device.type} | {inputs.path}: {inputs.n_params / 1e6:.2f}M params"
+        f" | {args.data}: {len(prompts)} train, {len(eval_prompts)} held-out prompts | {P} prompts"
+        f" x {G} = {P * G} rollouts per step | recipe {args.recipe} | weights via {backend}"
+    )
+
+
+def start(
+    args: Args,
+    inputs,
+    policy,
+    pool,
+    prompts,
+    eval_prompts,
+    run_dir: str,
+    meta: dict,
+    world: int,
+    device,
+    step: int,
+    stop: dict,
+):
+    """Every rank: rank 0's pipeline (new_pipeline) sampling `prompts` from `pool`, started from the
+    current weights (the model path, or on --resume the restored weights exported to a temporary
+    start directory) while the other ranks poll (rank0_call); the run's one-line description; and
+    the function that pushes each step's weights to the sampler (weight_pusher). Returns (pipe:
+    None except on rank 0, push_weights, start_dir: rank 0's, to delete at the end)."""
+    master = dist.get_rank() == 0
+    start_dir = start_weights(args, run_dir, policy, inputs)
+    weights = start_dir or inputs.path
+    backend = transfer_backend(args, inputs.plan)
+    if master:  # the engine's processes: warnings and errors only
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    pipe = rank0_call(
+        lambda: new_pipeline(args, inputs, weights, prompts, pool, step, run_dir, stop, backend)
+    )
+    if master:
+        # vLLM's handler, set up as the engine started: after a Ctrl-C, its death is no news
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(lambda record: not stop["requested"])
+        line = run_line(args, inputs, run_dir, meta, world, device, backend, eval_prompts, prompts)
+        print(line, flush=True)
+        warn_if_kv_short(pipe, inputs.plan, args)
+    engine_ranks = inputs.plan.tp * inputs.plan.dp  # the sampler's vLLM workers: tp x dp
+    push_weights = weight_pusher(policy, pipe, backend, inputs.gen_dtype, engine_ranks)
+    return pipe, push_weights, start_dir
+
+
+def next_batch(pipe, version: int):
+    """Rank 0: the pipeline's next batch for trainer version `version` (pipeline.Batch), None when a
+    stop (Ctrl-C) cut the wait for rollouts short."""
+    try:
+        return pipe.get_batch(version)
+    except pipeline.Stopped:
+        return None
