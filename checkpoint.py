@@ -50,13 +50,13 @@ def export_weights(
     policy: torch.nn.Module, out_dir: str | None, dtype: torch.dtype | None = None
 ) -> None:
     """Gather the full weights of `trainer.Policy` one parameter at a time, cast to `dtype` on their
-    device (None: as trained, each in its own dtype) with `sampler_weights` (a collective: every rank
-    calls it) and, on rank 0 (the one rank whose `out_dir` is not None), copy each to the CPU and
-    save them all to `out_dir/model.safetensors` (the directory is created if missing) under the
-    Hugging Face names, with save_pretrained's metadata: what vLLM reloads after each step (the
-    disk path, in the sampler's dtype), and the weights of the final export, which transformers
-    loads once the caller writes config and tokenizer beside them. CPU memory on rank 0: one copy
-    of the weights in `dtype`; on the GPU: one unsharded parameter at a time."""
+    device (None: as trained, each in its own dtype) with `sampler_weights` (a collective: every
+    rank calls it) and, on rank 0 (the one rank whose `out_dir` is not None), copy each to the CPU
+    and save them all to `out_dir/model.safetensors` (the directory is created if missing) under the
+    Hugging Face names, with save_pretrained's metadata: what vLLM reloads after each step (the disk
+    path, in the sampler's dtype), and the weights of the final export, which transformers loads
+    once the caller writes config and tokenizer beside them. CPU memory on rank 0: one copy of the
+    weights in `dtype`; on the GPU: one unsharded parameter at a time."""
     sd = {}
     for name, t in sampler_weights(policy, dtype):
         if out_dir is not None:

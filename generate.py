@@ -116,7 +116,9 @@ class Sampler(Engine):
 
     Build it with `await Sampler.create(model, **kwargs)` inside the asyncio loop that will run it;
     every coroutine must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`).
-    `version` counts weight updates (0 = the weights in `model`). Arguments:
+    `version`: the label of the loaded weights that sampled tokens carry (Completion.versions): 0
+    for the weights in `model`, then what update_weights / set_version give (a pipeline passes the
+    trainer's version), or a count of loads. Arguments:
       model: a local directory (must exist) or a hub id, with its tokenizer.
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper
         §7.1-7.2; departures 2-3).
@@ -164,14 +166,9 @@ class Sampler(Engine):
         self.answer_budget = answer_budget
         self.temperature = temperature
         self.interruptions = interruptions
-        # the version label of the loaded weights, which every sampled token carries: the trainer's
-        # version once a pipeline labels them (set_version, update_weights), else a count of loads
-        self.version = 0
-        # the label of the next NCCL update (engine.SyncClient), set by pipeline.Pipeline.publish_by
-        self.next_version: int | None = None
-        # weight loads and relabels so far, for the prefix-cache salt (departure 4): unique per
-        # weights even where a label repeats (a borrowed engine relabelled by a new pipeline)
-        self.loads = 0
+        self.version = 0  # the label sampled tokens carry: a pipeline's trainer version
+        self.next_version: int | None = None  # the next NCCL update's label (Pipeline.publish_by)
+        self.loads = 0  # loads and relabels: the prefix-cache salt, unique per weights (dep. 4)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -230,8 +227,7 @@ class Sampler(Engine):
         longer than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the
         engine died.
         """
-        if temperature is None:
-            temperature = self.temperature
+        temperature = self.temperature if temperature is None else temperature
         check_sampling(temperature, greedy_ok=True)  # temperature 0: greedy, for evaluation
         lo, hi = think_budget or self.think_budget
         answer_budget = answer_budget or self.answer_budget
@@ -374,9 +370,7 @@ class Sampler(Engine):
         """Pause (mode "keep", PipelineRL), await `load`, label the weights `version` (None: the
         current label + 1), resume (also if `load` fails). Returns the new label."""
         async with self._update_lock:
-            # the pause is inside the try: a cancellation during its RPC must still resume, or the
-            # engine stays paused
-            try:
+            try:  # the pause too: a cancellation during its RPC must still resume the engine
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 await load
                 if version is None:  # a caller that counts loads
@@ -396,10 +390,9 @@ class Sampler(Engine):
         client=sampler.sync_client(loop) on rank 0, None elsewhere)` and calls its `send_weights()`
         after each step (through `pipeline.Pipeline.publish_by` on rank 0); the client pauses,
         receives the broadcast, labels the weights with Sampler.next_version and resumes as
-        `update_weights` does. What the
-        engine does with the received names and tensors runs on CPU in
-        `engine.WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was built
-        with weight_transfer "nccl"."""
+        `update_weights` does. What the engine does with the received names and tensors runs on CPU
+        in `engine.WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was
+        built with weight_transfer "nccl"."""
         if self.weight_transfer != "nccl":
             raise RuntimeError(
                 f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'"

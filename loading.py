@@ -207,9 +207,9 @@ def load_model(args: Args, path: str):
 
 def heldout_and_pool(args: Args, prompts: list, run_dir: str, master: bool):
     """(train_prompts, eval_prompts, pool): rank 0 draws (or, resuming, restores) the held-out split
-    of eval_size prompts per task (heldout.split_heldout, heldout.json); the others then read it. The
-    pool (filters.prompt_pool): one PromptPool per task, tasks drawn by --task-weights, prompts by
-    No-Positive-Resampling (§3.2) or in uniform epochs."""
+    of eval_size prompts per task (heldout.split_heldout, heldout.json); the others then read it.
+    The pool (filters.prompt_pool): one PromptPool per task, tasks drawn by --task-weights, prompts
+    by No-Positive-Resampling (§3.2) or in uniform epochs."""
     for turn in (master, not master):
         if turn:
             train_prompts, eval_prompts = heldout.split_heldout(
