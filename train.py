@@ -2,7 +2,7 @@
 
     python train.py                                       # tiny model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20       # the same, FSDP2 over 2 CPU ranks (gloo)
-    torchrun --nproc_per_node 4 train.py --model qwen3-8b # paper scale; 8 GPUs: 4 train, 4 vLLM
+    torchrun --nproc_per_node 4 train.py --model qwen3-8b # 8 GPUs: 4 train, 3 sample, 1 eval
     python train.py --recipe loo-dapo                     # one of the paper's compared recipes
     python train.py --resume runs/NAME                    # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X   # the sigmoid fit of a finished run
@@ -11,17 +11,19 @@
 
 One step (DESIGN.md): the pipeline's producer thread samples groups with vLLM (forced
 interruptions, in-flight weight updates) and grades them; the trainer takes a batch of P groups
-with lag <= k, drops zero-variance groups, records pass rates for No-Positive-Resampling, computes
-batch-normalized advantages and prompt-level aggregation weights on the whole batch, runs
+with lag <= k, drops rollouts with a non-finite behaviour log-prob and zero-variance groups,
+records pass rates for No-Positive-Resampling, adds DAPO's length penalty if a recipe asks,
+computes batch-normalized advantages and prompt-level aggregation weights on the whole batch, runs
 fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps AdamW, and hands the
-new weights to the sampler. Every `eval_every` steps: held-out pass rate, the compute clock, a
-sigmoid fit of the curve so far, a checkpoint every `save_every`. Flags, presets and recipes:
-config.py; inputs: loading.py; process group, placement, run directory: launch.py; the policy and
-its optimizer step: trainer.py; the vLLM side: rollouts.py; logs, evals and checkpoints: records.py
-and checkpoint.py.
+new weights to the sampler (version = step). The compute clock advances every step. Every
+`eval_every` steps a snapshot of the new weights goes to the eval engine, whose held-out pass rate
+is logged (with the live sigmoid fit of the curve so far) when it finishes; a checkpoint every
+`save_every`. Flags, presets and recipes: config.py, flags.py, presets.py; inputs: loading.py;
+process group, placement, run directory: launch.py; the policy and its optimizer step: trainer.py;
+the vLLM side: rollouts.py; logs, evals and checkpoints: records.py and checkpoint.py.
 
 Where it departs from the paper, and why:
-1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (data.py `arith`) with
+1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (arith.py `arith`) with
    10^4x smaller budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's
    lengths and batch.
 2. Compute is counted in device-hours (`gpu_hours`): wall time x distinct devices (trainer and
@@ -94,10 +96,11 @@ def drop_nonfinite_logp(groups) -> tuple[list, int]:
 
 
 def has_variance(g) -> bool:
-    """Whether a group's rewards differ: a zero-variance group has zero advantage everywhere, so it
-    adds nothing to the gradient (§3.2, Fig 6a; DAPO's dynamic sampling without the resampling)."""
+    """Whether a group's rewards differ (True: it is kept). A zero-variance group has zero advantage
+    everywhere, so it adds nothing to the gradient (§3.2, Fig 6a; DAPO's dynamic sampling without
+    the resampling)."""
     rewards = torch.tensor(g.rewards)
-    # one group: every rollout gets group id 0; the mask is True on all of them or on none
+    # one group: every rollout gets group id 0; the mask (True: kept) is True on all or on none
     return bool(filters.zero_variance_mask(rewards, torch.zeros(len(g.rewards))).any())
 
 

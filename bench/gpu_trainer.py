@@ -35,8 +35,6 @@ Qwen3Config. Issue 11; a GPU run's numbers go in the README.
 
 import argparse
 import gc
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import resource
@@ -51,27 +49,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a missing vllm / tyro as a MagicMock: config.py imports tyro, train_step never calls
-    either."""
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("vllm", "tyro"):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        m = mock.MagicMock(name=spec.name)
-        m.__path__, m.__spec__, m.__version__ = [], spec, "0.32.0"
-        return m
-
-    def exec_module(self, module):
-        pass
-
-
-if any(importlib.util.find_spec(n) is None for n in ("vllm", "tyro")):
-    sys.meta_path.append(_Stub())  # appended: an installed vllm / tyro is found first
+# a missing vllm / tyro is a MagicMock: config.py imports tyro, the trainer never calls either
+for name in ("vllm", "tyro"):
+    if importlib.util.find_spec(name) is None:
+        sys.modules[name] = mock.MagicMock(name=name)
 import config  # noqa: E402
+import gpu_memory  # noqa: E402
 import launch  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
@@ -85,6 +68,7 @@ QWEN3 = {
     "qwen3-8b": (36, 4096, 12_288, 32, 8, 128, 151_936, False),
 }
 TINY = (2, 64, 128, 4, 2, 16, 1000, True)
+PRESET = {"0.6b": "qwen3-0.6b", "8b-8l": "qwen3-8b"}  # train shape: the preset it runs with
 GiB = 2**30
 
 
@@ -126,8 +110,8 @@ def memory_estimate(shape, tokens, ranks, checkpointing, chunk=1024):
 def plan():
     """Part 3: the estimate behind config.py's activation_checkpointing choices, per GPU preset.
     Rule: no checkpointing where the estimate without it fits in 75% of the trainer's share of a
-    rank-0 H200 that it shares with vLLM (the default topology), the rest left for the allocator,
-    the CUDA context and NCCL."""
+    rank-0 H200 that it shares with vLLM (--share-gpu), the rest left for the allocator, the CUDA
+    context and NCCL."""
     gpus = {"H200": 143_771 * 2**20 / GiB, "H100-80GB": 81_559 * 2**20 / GiB}  # total memory, GiB
     print(
         "| preset | tokens / micro-batch | activations, no AC / AC (GiB) | total on 1 of 8 ranks, "
@@ -137,7 +121,8 @@ def plan():
     print("|---|---|---|---|---|---|---|")
     for name, shape in QWEN3.items():
         p = config.PRESETS[name]
-        tokens, u = p["max_tokens_per_microbatch"], p["gpu_memory_utilization"]
+        tokens = p["max_tokens_per_microbatch"]
+        u = gpu_memory.vllm_utilization(p.get("gpu_memory_utilization"), beside_trainer=True)
         act = [tokens * activation_bytes_per_token(shape, c) / GiB for c in (False, True)]
         tot = [memory_estimate(shape, tokens, 8, c) for c in (False, True)]
         share = [(1 - u) * g for g in gpus.values()]
@@ -170,11 +155,9 @@ def reference_f64(h, w, t, g, chunk=1024):
     """float64 logp (N,), d(g . logp)/dh (N, H) and /dW (V, H), chunked, from the formulas (no
     autograd)."""
     w64 = w.double()
-    logp, gh, gw = (
-        [],
-        torch.empty(h.shape, dtype=torch.float64, device=h.device),
-        torch.zeros_like(w64),
-    )
+    logp = []
+    gh = torch.empty(h.shape, dtype=torch.float64, device=h.device)
+    gw = torch.zeros_like(w64)
     for s in range(0, len(t), chunk):
         h64, ts, gs = h[s : s + chunk].double(), t[s : s + chunk], g[s : s + chunk, None].double()
         lp = torch.log_softmax(h64 @ w64.T, -1)  # (c, V)
@@ -186,50 +169,61 @@ def reference_f64(h, w, t, g, chunk=1024):
     return torch.cat(logp), gh, gw
 
 
-def part_head(a, device):
-    """Part 1: {variant: (seconds, max |d logp| vs f64, vs the fp32 path, rel. grad_h, rel.
-    grad_W)}."""
+def time_head(a, h, w, t, g, dtype, head_dtype, device):
+    """Fastest of a.head_repeats fwd + bwd passes of loss.token_logprobs after one untimed, on fresh
+    `dtype` copies of h (N, H), w (V, H). Returns (seconds, logp (N,) float64, grad_h, grad_W)."""
+    times = []
+    for _ in range(1 + a.head_repeats):  # the first pass warms up
+        hh = h.to(dtype, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates
+        ww = w.to(dtype, copy=True).requires_grad_()
+        sync(device)
+        t0 = time.perf_counter()
+        logp = loss.token_logprobs(hh, ww, t, head_dtype=head_dtype)
+        (logp * g).sum().backward()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]), logp.detach().double(), hh.grad, ww.grad
+
+
+def head_rows(a, device) -> list[tuple[str, str]]:
+    """Part 1: each variant's seconds, max |d logp| vs f64 and vs the fp32 path, and relative
+    errors of grad_h and grad_W; printed, and returned as rows of the results table."""
     N, V, H = (512, 1000, 64) if a.tiny else (16_384, 151_936, 4096)
     gen = torch.Generator(device).manual_seed(0)
     h = torch.randn(N, H, device=device, generator=gen).bfloat16()
     w = (torch.randn(V, H, device=device, generator=gen) * 0.02).bfloat16()
     t = torch.randint(0, V, (N,), device=device, generator=gen)
     g = torch.randn(N, device=device, generator=gen)
-    ref = reference_f64(h, w, t, g)
+    ref_logp, ref_gh, ref_gw = reference_f64(h, w, t, g)
     reset_peak(device)
-    variants = {
-        "fp32 path (fp32 operands)": (torch.float32, torch.float32),
+    variants = {  # name: (operand dtype, head_dtype)
+        "fp32 path (fp32 operands)": (torch.float32, torch.float32),  # the baseline: first
         "bf16 operands, fp32 logits": (torch.bfloat16, torch.float32),
         "bf16 logits (loo-fp32)": (torch.bfloat16, torch.bfloat16),
     }
-    out, fp32_logp = {}, None
+    rows = []
     for name, (dtype, head_dtype) in variants.items():
-        times = []
-        for _ in range(1 + a.head_repeats):  # the first pass warms up
-            hh = h.to(dtype, copy=True).requires_grad_()  # fresh leaves: no gradient accumulates
-            ww = w.to(dtype, copy=True).requires_grad_()
-            sync(device)
-            t0 = time.perf_counter()
-            logp = loss.token_logprobs(hh, ww, t, head_dtype=head_dtype)
-            (logp * g).sum().backward()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        logp = logp.detach().double()
-        fp32_logp = logp if fp32_logp is None else fp32_logp
-        rel = [
-            ((x.grad.double() - r).norm() / r.norm()).item()
-            for x, r in ((hh, ref[1]), (ww, ref[2]))
-        ]
-        err = (logp - ref[0]).abs().max().item(), (logp - fp32_logp).abs().max().item()
-        out[name] = (min(times[1:]), *err, *rel)
+        sec, logp, gh, gw = time_head(a, h, w, t, g, dtype, head_dtype, device)
+        if name == "fp32 path (fp32 operands)":
+            base = sec
+            fp32_logp = logp
+        e64 = (logp - ref_logp).abs().max().item()
+        e32 = (logp - fp32_logp).abs().max().item()
+        rh = ((gh.double() - ref_gh).norm() / ref_gh.norm()).item()
+        rw = ((gw.double() - ref_gw).norm() / ref_gw.norm()).item()
         print(
-            f"head {name:28s} fwd+bwd {out[name][0] * 1e3:8.1f} ms | max|d logp| vs f64 "
-            f"{err[0]:.1e}, vs fp32 path {err[1]:.1e} | rel. err grad_h {rel[0]:.1e} "
-            f"grad_W {rel[1]:.1e}",
+            f"head {name:28s} fwd+bwd {sec * 1e3:8.1f} ms | max|d logp| vs f64 {e64:.1e}, vs fp32 "
+            f"path {e32:.1e} | rel. err grad_h {rh:.1e} grad_W {rw:.1e}",
             flush=True,
         )
-        del hh, ww, logp
-    return N, V, H, out
+        value = f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} vs f64, "
+        value += f"{e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}"
+        rows.append((f"head fwd+bwd N {N} V {V} H {H}: {name}", value))
+        if name == "bf16 operands, fp32 logits":
+            ok = e32 <= 5e-5
+        del logp, gh, gw
+    rows.append(("head contract: bf16-operand log-probs within 5e-5 of the fp32 path", str(ok)))
+    return rows
 
 
 def make_batch(a, shape, args, gen):
@@ -245,12 +239,13 @@ def make_batch(a, shape, args, gen):
     T = int(lengths.max())
     cols = torch.arange(T)
     real = cols < lengths[:, None]
+    mask = real & (cols >= p[:, None])  # the completion tokens
     G = min(args.group_size, S)
     return dict(
         input_ids=torch.where(real, torch.randint(0, V, (S, T), generator=gen), 0),
         attention_mask=real.long(),
-        mask=real & (cols >= p[:, None]),
-        old_logp=torch.where(real & (cols >= p[:, None]), -12.0, 0.0),  # ~ -ln V: a random model's
+        mask=mask,
+        old_logp=torch.where(mask, -12.0, 0.0),  # ~ -ln V: a random model's
         rewards=(torch.arange(S) % 2).double(),  # every group mixed: nothing filtered
         group_ids=torch.arange(S) // G,
     )
@@ -259,8 +254,9 @@ def make_batch(a, shape, args, gen):
 def bench_args(a, name, variant) -> config.Args:
     """The trainer's flags for one shape x variant: the shape's preset, changed as the variant says
     (`before`: issue 11's old layout; `after-noac`: no activation checkpointing)."""
-    preset = "qwen3-0.6b" if name == "0.6b" else "qwen3-8b"
-    settings = dict(config.PRESETS[preset], model=preset)
+    preset = PRESET[name]
+    # lr 1e-6 for every shape (the 8b preset: 5e-7): the printed losses compare, speed is the same
+    settings = dict(config.PRESETS[preset], model=preset, lr=1e-6)
     if a.tiny:
         settings.update(max_tokens_per_microbatch=256, group_size=4)
     if variant == "before":
@@ -274,22 +270,14 @@ def bench_args(a, name, variant) -> config.Args:
 
 def random_qwen3(shape, device):
     """A Qwen3 of `shape` with random fp32 weights (seed 0), built on `device`."""
-    L, H, inter, heads, kv, d, V, tied = shape
-    cfg = Qwen3Config(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=inter,
-        num_hidden_layers=L,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=d,
-        tie_word_embeddings=tied,
-        max_position_embeddings=40_960,
-        attn_implementation="sdpa",
-    )
+    # the Hugging Face config fields of a shape's values, in order
+    fields = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+    fields += ("num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+    cfg = dict(zip(fields, shape, strict=True))
+    cfg.update(max_position_embeddings=40_960, attn_implementation="sdpa")
     torch.manual_seed(0)
     with device:  # initialised in place: billions of fp32 parameters are slow to build on the CPU
-        return Qwen3ForCausalLM(cfg).float()
+        return Qwen3ForCausalLM(Qwen3Config(**cfg)).float()
 
 
 def time_steps(a, label, policy, optimizer, batch, args, device) -> list[float]:
@@ -306,28 +294,20 @@ def time_steps(a, label, policy, optimizer, batch, args, device) -> list[float]:
         dt = time.perf_counter() - t0
         if i >= a.warmup:
             times.append(dt)
-        print(
-            f"  {label} step {i}{' (warmup)' if i < a.warmup else ''}: {dt:.2f} s, "
-            f"loss {m['train/loss']:+.5f}",
-            flush=True,
-        )
+        warm = " (warmup)" if i < a.warmup else ""
+        print(f"  {label} step {i}{warm}: {dt:.2f} s, loss {m['train/loss']:+.5f}", flush=True)
     return times
 
 
 def part_train(a, name, variant, device):
     """Part 2, one shape x variant: {tokens/s, MFU, peak and estimated GiB, step s}."""
-    preset = "qwen3-0.6b" if name == "0.6b" else "qwen3-8b"
-    shape = TINY if a.tiny else QWEN3[preset] if name == "0.6b" else (8, *QWEN3["qwen3-8b"][1:])
+    shape = TINY if a.tiny else QWEN3[PRESET[name]]
+    if name == "8b-8l" and not a.tiny:
+        shape = (8, *shape[1:])  # 8 of Qwen3-8B's 36 layers
     args = bench_args(a, name, variant)
     L, H, inter, heads, kv, d, V, tied = shape
-    lm = random_qwen3(shape, device)
-    if args.activation_checkpointing:  # as trainer.build applies it, before fully_shard
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = trainer.Policy(lm, args.fp32_head).train()
-    trainer.shard(policy, device)
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=1e-6, eps=args.adam_eps, weight_decay=args.weight_decay
-    )
+    # trainer.build: activation checkpointing as asked, Policy, shard (FSDP2), AdamW
+    policy, optimizer = trainer.build(random_qwen3(shape, device), args, device)
     batch = make_batch(a, shape, args, torch.Generator().manual_seed(1))
     lengths = batch["attention_mask"].sum(1).double()
     body, emb, head = n_params(shape)
@@ -335,72 +315,44 @@ def part_train(a, name, variant, device):
     flops = 6 * (body * lengths.sum().item() + V * H * n_pred)
     flops += 6 * L * heads * d * (lengths**2).sum().item()  # causal: half of the T^2 scores
     tokens = int(lengths.sum())
-    old_head = loss._low_precision_operands
-    if variant == "before":  # the head before issue 11: fp32 products of the upcast operands
-        loss._low_precision_operands = lambda *_: False
-    try:
+    # `before`: the head before issue 11, fp32 products of the fp32-upcast operands
+    low_precision = (lambda *_: False) if variant == "before" else loss._low_precision_operands
+    with mock.patch.object(loss, "_low_precision_operands", low_precision):
         times = time_steps(a, f"{name} {variant}", policy, optimizer, batch, args, device)
-    finally:
-        loss._low_precision_operands = old_head
     sec = sum(times) / len(times)
     mb_tokens = args.max_tokens_per_microbatch or int(lengths.max())
-    est = memory_estimate(shape, mb_tokens, 1, args.activation_checkpointing)
     res = dict(
         step_s=sec,
         tokens_s=tokens / sec,
         mfu=flops / sec / (a.peak_tflops * 1e12),
         peak_gib=peak_bytes(device) / GiB,
-        est_gib=est,
+        est_gib=memory_estimate(shape, mb_tokens, 1, args.activation_checkpointing),
         desc=f"{L} layers x H {H}, {a.seqs} seqs, {tokens:,} tokens ({n_pred:,} predicted), "
         f"budget {args.max_tokens_per_microbatch or 'none'}, AC {args.activation_checkpointing}",
     )
-    del policy, optimizer, lm
+    del policy, optimizer
     gc.collect()
     reset_peak(device)
     return res
-
-
-def head_rows(a, device) -> list[tuple[str, str]]:
-    """Part 1's rows of the results table."""
-    rows = []
-    N, V, H, head = part_head(a, device)
-    base = head["fp32 path (fp32 operands)"][0]
-    for name, (sec, e64, e32, rh, rw) in head.items():
-        rows.append(
-            (
-                f"head fwd+bwd N {N} V {V} H {H}: {name}",
-                f"{sec * 1e3:.0f} ms ({base / sec:.1f}x vs fp32 path); |d logp| {e64:.1e} "
-                f"vs f64, {e32:.1e} vs fp32 path; grad rel. err h {rh:.1e}, W {rw:.1e}",
-            )
-        )
-    ok = head["bf16 operands, fp32 logits"][2] <= 5e-5
-    rows.append(("head contract: bf16-operand log-probs within 5e-5 of the fp32 path", str(ok)))
-    return rows
 
 
 def train_rows(a, device) -> list[tuple[str, str]]:
     """Part 2's rows of the results table: every shape x variant asked for."""
     rows = []
     for name in a.shapes.split(","):
-        preset = config.PRESETS["qwen3-0.6b" if name == "0.6b" else "qwen3-8b"]
-        variants = [  # after-noac is `after` where the preset has no checkpointing
-            v
-            for v in a.variants.split(",")
-            if v != "after-noac" or preset["activation_checkpointing"]
-        ]
+        has_ac = config.PRESETS[PRESET[name]]["activation_checkpointing"]
+        # after-noac is `after` where the preset has no checkpointing
+        variants = [v for v in a.variants.split(",") if v != "after-noac" or has_ac]
         res = {v: part_train(a, name, v, device) for v in variants}
         for v, r in res.items():
             ratio = ""
             if "before" in res:
                 ratio = f", {res['before']['step_s'] / r['step_s']:.2f}x before"
-            rows.append(
-                (
-                    f"train step {name} {v}: {r['desc']}",
-                    f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
-                    f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB "
-                    f"(estimate {r['est_gib']:.1f})",
-                )
+            value = f"{r['step_s']:.2f} s{ratio}; {r['tokens_s']:,.0f} tokens/s; "
+            value += (
+                f"MFU {r['mfu']:.1%}; peak {r['peak_gib']:.1f} GiB (estimate {r['est_gib']:.1f})"
             )
+            rows.append((f"train step {name} {v}: {r['desc']}", value))
     return rows
 
 
@@ -410,20 +362,14 @@ def parse_args():
     )
     p.add_argument("--only", choices=["head", "train"], help="run one part (default both)")
     p.add_argument("--shapes", default="0.6b,8b-8l", help="train shapes: 0.6b, 8b-8l")
-    p.add_argument(
-        "--variants", default="before,after,after-noac", help="before, after, after-noac"
-    )
+    p.add_argument("--variants", default="before,after,after-noac", help="train variants")
     p.add_argument("--seqs", type=int, default=8, help="sequences per train step")
     p.add_argument("--steps", type=int, default=2, help="timed train steps per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed train steps first")
     p.add_argument("--head-repeats", type=int, default=3, help="timed head passes, fastest counts")
-    p.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM)"
-    )
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 peak, H100/H200 SXM")
     p.add_argument("--tiny", action="store_true", help="toy sizes: a CPU smoke test of every part")
-    p.add_argument(
-        "--plan", action="store_true", help="print the presets' memory estimate and exit"
-    )
+    p.add_argument("--plan", action="store_true", help="print the presets' memory estimate, exit")
     return p.parse_args()
 
 
@@ -432,12 +378,11 @@ def main():
     if a.plan:
         return plan()
     rank, world, device = launch.setup_distributed()  # 1 rank: NCCL on GPU, gloo on CPU
-    where = (
-        torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
-    )
-    print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {where}", flush=True
-    )
+    where = f"CPU, {os.cpu_count()} cores"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"{versions}, {where}", flush=True)
     rows = []
     if a.only != "train":
         rows += head_rows(a, device)
