@@ -178,7 +178,9 @@ def schedule_checks(args: Args) -> list[tuple]:
 def size_checks(args: Args, world: int) -> list[tuple]:
     """Batch sizes: prompts and groups per step, micro-batches."""
     a = args
-    P = round(a.prompts_per_step * a.batch_scale)  # prompt groups per batch, as train.py derives it
+    P = round(
+        a.prompts_per_step * a.batch_scale
+    )  # prompt groups per batch, as loading.load_inputs does
     return [
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1, "must be >= 1"),
         ("--batch-scale", a.batch_scale, P >= 1, "must leave >= 1 prompt per step"),

@@ -28,7 +28,7 @@ import code_reward
 import sources
 
 # Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and
-# config.py.
+# flags.py.
 PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION_KEYS = ("question", "problem", "prompt")

@@ -4,7 +4,7 @@
 and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
 (R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
 Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
-prints and draws. train.py's final_fit draws fit.png with `plot`.
+prints and draws. records.final_fit draws fit.png with `plot`.
 """
 
 import json

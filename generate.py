@@ -42,9 +42,8 @@ import torch
 from vllm import SamplingParams, TokensPrompt
 
 import data
+from data import THINK_CLOSE
 from engine import Engine, SyncClient, versions_from_spans
-
-THINK_END = "</think>"
 
 
 @dataclass
@@ -179,7 +178,7 @@ class Sampler(Engine):
         ends with its only `</think>`."""
         self.tokenizer = self.engine.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
-        think_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        think_ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
         self.think_end_id = think_ids[0] if len(think_ids) == 1 else None
         self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
         if self.think_end_id is None:
@@ -187,7 +186,7 @@ class Sampler(Engine):
         ends_with_it = self.phrase_ids[-1:] == [self.think_end_id]
         if not ends_with_it or self.phrase_ids.count(self.think_end_id) != 1:
             raise ValueError(
-                f"the interruption phrase must end with its only {THINK_END}, got {phrase!r}"
+                f"the interruption phrase must end with its only {THINK_CLOSE}, got {phrase!r}"
             )
 
     @classmethod
@@ -259,7 +258,8 @@ class Sampler(Engine):
             )
         if thinking and self.think_end_id is None:
             raise ValueError(
-                f"the tokenizer has no single {THINK_END} token; call generate(..., thinking=False)"
+                f"the tokenizer has no single {THINK_CLOSE} token; "
+                "call generate(..., thinking=False)"
             )
         budgets = answer_budget
         if thinking:

@@ -24,9 +24,16 @@ from transformers import AutoConfig
 import checkpoint
 import placement
 from config import Args
-from trainer import all_reduce
 
 HEARTBEAT_S = 1.0  # rank0_call: the other ranks' poll while rank 0 waits (vLLM, rollouts, evals)
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small CPU tensor over ranks (through the GPU under NCCL); returns it on the
+    CPU."""
+    y = x.to("cuda") if dist.get_backend() == "nccl" else x.clone()
+    dist.all_reduce(y, op=op)
+    return y.cpu()
 
 
 def free_port() -> int:

@@ -14,11 +14,15 @@ tests/test_pipeline.py` (hand-worked tables). Where this departs from the paper,
 3. Versions are the trainer's; forced phrase tokens (mask 0) do not count towards the lag.
 """
 
+from __future__ import annotations
+
 import collections
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import generate
+if TYPE_CHECKING:  # the annotation only: generate.py imports vLLM
+    import generate
 
 MODES = ("pipeline", "ppo")  # PipelineRL-k, PPO-off-policy-k
 

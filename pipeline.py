@@ -54,7 +54,7 @@ import reward
 import watchdog
 from evals import Evals, check_evaluator
 from offpolicy import Batch, accept, batch_metrics, check_settings, may_release
-from producer import Producer, check_engine
+from producer import Producer, check_sources
 from weight_dirs import VERSIONS_ALIVE, weights_parent, weights_root
 
 # seconds close() takes at most in all (groups cancelled, engine stopped, thread joined)
@@ -141,7 +141,7 @@ class Pipeline(Producer, Evals):
         max_evals_pending: int = EVALS_PENDING,
     ):
         check_settings(mode, max_lag, group_size, prompts_per_step)
-        check_engine(prompts, pool, model, loop)
+        check_sources(prompts, pool, model, loop)
         check_evaluator(evaluator, eval_loop, max_evals_pending)
         self.G = group_size
         self.P = prompts_per_step

@@ -43,7 +43,7 @@ async def score(
     return [float(r) for r in rewards], reasons and [str(why) for why in reasons]
 
 
-def check_engine(prompts, pool, model, loop) -> None:
+def check_sources(prompts, pool, model, loop) -> None:
     """Raise ValueError unless the pool serves `prompts`, and the engine is a model directory (an
     engine of the pipeline's own) or a running Sampler given with its event loop (see Pipeline)."""
     if getattr(pool, "n_prompts", len(prompts)) != len(prompts) or (

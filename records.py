@@ -167,9 +167,8 @@ class RunLog:
                 config=dataclasses.asdict(args),
                 resume="allow",
             )
-            wandb.define_metric(
-                "eval/step"
-            )  # an eval's line comes steps after the step it measured
+            # an eval's line comes steps after the step it measured: its charts run on eval/step
+            wandb.define_metric("eval/step")
             for prefix in ("eval/*", "fit/*"):
                 wandb.define_metric(prefix, step_metric="eval/step")
             self.wandb = wandb

@@ -203,8 +203,7 @@ def warn_if_kv_short(pipe, plan, args: Args) -> None:
         print(
             f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
             f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
-            f"{plan.max_num_seqs}: "
-            f"long rollouts may preempt one another",
+            f"{plan.max_num_seqs}: long rollouts may preempt one another",
             flush=True,
         )
 

@@ -280,7 +280,7 @@ def main(args: Args) -> None:
             print(json.dumps(records.final_fit(run_dir, log.history)), flush=True)
         if step == args.steps:
             final = os.path.join(run_dir, "final") if master else None
-            checkpoint.export_pretrained(policy, inputs.tokenizer, final, torch.float32)
+            checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
     finally:
         if pipe is not None:
             pipe.close()

@@ -12,7 +12,7 @@ AdamW. train.py composes them.
 Where it departs from the paper, and why:
 1. Micro-batches are packed into one row where the attention kernel is varlen (flash attention),
    else length-sorted and padded: a memory and speed choice, the same loss either way.
-2. Gradients are clipped at `max_grad_norm` (default 1.0); the paper does not say whether it clips.
+2. Gradients are clipped at `max_grad_norm` (train.py's departure 4).
 """
 
 import math
@@ -122,14 +122,6 @@ def collate(groups, pad_id: int) -> dict:
         rewards=rewards,
         group_ids=group_ids,
     )
-
-
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce a small CPU tensor over ranks (through the GPU under NCCL); returns it on the
-    CPU."""
-    y = x.to("cuda") if dist.get_backend() == "nccl" else x.clone()
-    dist.all_reduce(y, op=op)
-    return y.cpu()
 
 
 def varlen_attention(lm) -> bool:

@@ -4,7 +4,7 @@ dict gathered to the CPU, then cast) wrote: bit for bit in float32 and in bfloat
 elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks, for a tied head
 (saved once) and an untied one, with a layer that 2 ranks shard unevenly. vLLM's own check of the
 NCCL weight source (metadata against iteration) passes too. With dtype=None it writes the final
-Hugging Face export: the tensors train.py's `lm.save_pretrained` export wrote, and
+Hugging Face export: the tensors `lm.save_pretrained` of the full state dict writes, and
 export_pretrained's directory loads back in transformers, weights and tokenizer. truncate_log on
 --resume keeps the lines of steps up to the checkpoint, and of the evals only those in the
 checkpoint's history (issue 10: evals finish after their step, so one logged after the
@@ -62,7 +62,8 @@ def test_export_equals_the_old_full_gather_then_cast(tmp_path, nproc):
 @pytest.mark.parametrize("tied", [True, False])
 def test_final_export_equals_save_pretrained(tmp_path, tied):
     """One process, no FSDP: export_weights(dtype=None) into a directory it creates writes what
-    train.py's final export (the full state dict through lm.save_pretrained) wrote."""
+    the full state dict through lm.save_pretrained (the final export before export_pretrained)
+    writes."""
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=3, tie_word_embeddings=tied)
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = torch.nn.Module()
