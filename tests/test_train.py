@@ -1008,13 +1008,10 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     assert (
         retired_before and retired_before <= retired_after
     )  # the restored pool kept its retired prompts
-    # the restored pool served them first and the resumed run trained each (issue 14: were lost)
-    grew = {
-        i
-        for i, (a, b) in enumerate(zip(saved["pool"]["total"], final["pool"]["total"], strict=True))
-        if b > a
-    }
-    assert set(unfinished) <= grew
+    # the restored pool served them first and the resumed run scored each (issue 14: were lost):
+    # a prompt leaves "unfinished" only when its group is recorded, and 4 steps draw far fewer
+    # prompts than an epoch holds, so none of them can be in flight again at the end
+    assert not set(unfinished) & set(final["pool"]["unfinished"])
     with open(os.path.join(run_dir, "heldout.json")) as f:
         assert json.load(f)[
             "heldout"
