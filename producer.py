@@ -2,11 +2,12 @@
 
 A mixin of pipeline.Pipeline: Pipeline.__init__ calls `_init_producer`, which sets up the state
 both threads share under the lock `_cv`; from Pipeline this side uses `sampler`, `_fail`,
-`_remove`, `_on_loop`, `_weights_loaded` and `_executor`. The coroutines here run in the producer thread's asyncio loop beside the
-`generate.Sampler`. `_produce` starts a group whenever `offpolicy.may_start` allows (`_claim`);
-each group is sampled, scored in the reward thread pool (`score`) and queued for the trainer's
-`get_batch`; `_update_loop` loads each released weight version in flight. Exercised by `pytest
-tests/test_pipeline.py`. Departures from the paper: see pipeline.py.
+`_remove`, `_on_loop`, `_weights_loaded` and `_executor`. The coroutines here run in the
+producer thread's asyncio loop beside the `generate.Sampler`. `_produce` starts a group whenever
+`offpolicy.may_start` allows (`_claim`); each group is sampled, scored in the reward thread pool
+(`score`) and queued for the trainer's `get_batch`; `_update_loop` loads each released weight
+version in flight. Exercised by `pytest tests/test_pipeline.py`. Departures from the paper: see
+pipeline.py.
 """
 
 import asyncio
