@@ -93,7 +93,7 @@ class Row:
 
 
 @dataclass
-class Engine:
+class EvalPlacement:
     """The eval engine's placement (the training engine's is Plan's own fields)."""
 
     gpus: list[str] | None  # physical ids for its CUDA_VISIBLE_DEVICES; None on CPU
@@ -119,7 +119,7 @@ class Plan:
     devices: int
     max_num_seqs: int
     kv_seqs: int  # KV capacity in max_model_len sequences per engine (estimate)
-    eval: Engine | None = None
+    eval: EvalPlacement | None = None
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     fix: str | None = None  # the command to run instead
@@ -161,7 +161,7 @@ def _cpu_plan(shape, req):
     """No GPU: one device runs the trainer ranks and both engines; nothing to check."""
     per_seq = kv_bytes_per_token(shape, req.dtype_bytes) * req.max_model_len
     kv = (req.kv_cache_bytes or GIB) // per_seq
-    ev = Engine(None, 1, 1, None, True, max(1, min(req.eval_seqs, kv)), kv)
+    ev = EvalPlacement(None, 1, 1, None, True, max(1, min(req.eval_seqs, kv)), kv)
     row = Row(-1, "cpu", f"{req.world} trainer rank(s) + generator + eval engine", {}, 0)
     n = max_num_seqs(**req.seqs(), dp=1, kv_seqs=kv)
     return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
@@ -183,15 +183,15 @@ def _gpu_plan(shape, req):
     rows = _rows(req, physical, trainer, tr, gen, ev, ev_dp)
     _check_sizes(req, rows, tr, other_ac, gen, ev, n_eval, notes, errors)
     ev_seqs = max(1, min(-(-req.eval_seqs // ev_dp), max(ev.kv_seqs, 1)))
-    ev_physical = [physical[g] for g in ev.gpus]
-    ev_engine = Engine(ev_physical, req.tp, ev_dp, ev.utilization, not n_eval, ev_seqs, ev.kv_seqs)
+    ev_gpus = [physical[g] for g in ev.gpus]
+    evp = EvalPlacement(ev_gpus, req.tp, ev_dp, ev.utilization, not n_eval, ev_seqs, ev.kv_seqs)
     n = max_num_seqs(**req.seqs(), dp=dp, kv_seqs=max(gen.kv_seqs, 1))
     dedicated = bool(gen.gpus) and not [g for g in gen.gpus if g in trainer]
     # distinct GPUs for gpu_hours: shared ones once
     devices = req.world + len({g for g in gen.gpus + ev.gpus if g not in trainer})
     generator = [physical[g] for g in gen.gpus]
     out = Plan(rows, generator, req.tp, dp, gen.utilization, dedicated, devices, n, gen.kv_seqs)
-    out.eval = ev_engine
+    out.eval = evp
     out.notes = notes
     out.errors = errors
     return out
