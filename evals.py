@@ -151,6 +151,7 @@ class Evals:
     def _start_evals(self, evaluator, eval_loop, kwargs: dict | None) -> None:
         """Start the eval thread's work on `evaluator` (see Pipeline), if any."""
         if evaluator is None:
+            self._eval_ready.set()  # nothing to start: wait_eval_engine returns at once
             return
         if isinstance(evaluator, str):  # after the training engine: environments never mix
             self.eval_loop = asyncio.new_event_loop()

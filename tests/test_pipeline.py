@@ -524,6 +524,18 @@ class HangingSampler:
         return self.version
 
 
+def test_without_an_evaluator_the_eval_engine_wait_returns_at_once(loop):
+    pool = filters.PromptPool(8)
+    sampler = HangingSampler()
+    kw = dict(loop=loop, group_size=G, prompts_per_step=P, max_lag=0)
+    with pipeline.Pipeline(sampler, make_prompts(), pool, **kw) as pipe:
+        t = time.monotonic()
+        assert pipe.wait_eval_engine() is True  # no timeout: this used to wait forever
+        assert time.monotonic() - t < pipeline.POLL_S
+        with pytest.raises(RuntimeError, match="no evaluator"):
+            pipe.submit_eval(make_prompts(2), 2, version=0, weights="unused")
+
+
 def test_hang_caught_by_gen_timeout(loop):
     sampler = HangingSampler()
     with pipeline.Pipeline(
