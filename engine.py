@@ -93,7 +93,7 @@ def engine_args(
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
     # FP32 LM head in the generator (§3.2, A.19)
-    head = {"head_dtype": "float32"} if fp32_head else None
+    head = {"head_dtype": "float32"} if fp32_head else {}  # vLLM 0.32 refuses None
     return AsyncEngineArgs(
         model=model,
         seed=seed,

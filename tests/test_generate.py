@@ -163,6 +163,17 @@ def test_engine_args_rl_settings():
     assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
 
 
+def test_engine_args_without_the_fp32_head_give_a_valid_vllm_config(tmp_path):
+    """--recipe deepseek-grpo (fp32_head=False) once crashed at engine start: vLLM 0.32 validates
+    hf_overrides as a dict and refused None. create_model_config is the validation, no engine."""
+    model = tiny.random_model(str(tmp_path / "m"))
+    for fp32_head in (True, False):
+        args = engine.engine_args(model, cuda=False, fp32_head=fp32_head)
+        config = args.create_model_config()
+        head = getattr(config.hf_config, "head_dtype", None)
+        assert head == ("float32" if fp32_head else None)
+
+
 def test_reload_warnings_dropped_only_for_layers_no_checkpoint_holds():
     def kept(tied, layer, msg="%s: Failed to load weights"):
         record = logging.LogRecord(
