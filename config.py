@@ -175,12 +175,16 @@ def schedule_checks(args: Args) -> list[tuple]:
     ]
 
 
+def groups_per_step(args: Args) -> int:
+    """P, the prompt groups in one batch: --prompts-per-step scaled by --batch-scale (the DAPO and
+    MiniMax recipes ran 80 prompts where ScaleRL runs 48)."""
+    return round(args.prompts_per_step * args.batch_scale)
+
+
 def size_checks(args: Args, world: int) -> list[tuple]:
     """Batch sizes: prompts and groups per step, micro-batches."""
     a = args
-    P = round(
-        a.prompts_per_step * a.batch_scale
-    )  # prompt groups per batch, as loading.load_inputs does
+    P = groups_per_step(a)
     return [
         ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1, "must be >= 1"),
         ("--batch-scale", a.batch_scale, P >= 1, "must leave >= 1 prompt per step"),

@@ -173,7 +173,7 @@ def load_inputs(args: Args, world: int, device) -> Inputs:
     prompts = load_prompts(args, tokenizer, thinking)
     reward_fn = reward_fns(prompts, args.unsafe_no_sandbox)  # before any slow setup: it may exit
     gen_dtype = sampler_dtype(args, device)
-    P = round(args.prompts_per_step * args.batch_scale)
+    P = config.groups_per_step(args)
     n_tasks = len({p.task for p in prompts}) if prompts else 1  # each holds out eval_size prompts
     plan = plan_placement(args, path, world, gen_dtype, P, n_tasks)
     lm = load_model(args, path)
