@@ -1,19 +1,24 @@
 """`arith`, the synthetic task the embedded tiny model learns: "Add 7 to 18, 3 times.", worked in
 one line of thinking per addition.
 
-Paper: it stands in for Polaris-53K (A.3) on a CPU; the thinking length it needs spans the forced
-interruption budget (A.10) at the top of its difficulty range. Exercised by
+Paper: it stands in for Polaris-53K (A.3) on a CPU; forced interruptions (A.10) cut the rollouts
+that think past the longest item's countdown. Exercised by
 `python -m pytest tests/test_data.py -k arith` and by the default `python train.py`
 (`--data arith`); tiny.py's warm start trains on its SFT pool.
 
 Where this departs from the paper, and why:
 1. A CPU cannot learn Polaris. Each line of thinking is opened by a countdown ("3:18+7=25"), so
    every step, the stop included, is a local decision a 0.4M-parameter model learns in a two-minute
-   warm start; thinking length grows with the number of additions and a small interruption budget
-   (ARITH_THINK_BUDGET) binds on the longest items only.
-2. Items are split by a hash of the question into an SFT pool (tiny.py's warm start) and an RL pool
+   warm start; thinking length grows with the number of additions.
+2. The interruption budget of RL (ARITH_THINK_BUDGET) lies past the longest item's thinking, so it
+   cuts only rollouts that ramble (11% at R0, 1-2% once RL has taught the model to stop; issue 12).
+   A budget that bound on the 8-9-addition items (80-94 tokens, until 2026-12) cut their correct
+   countdowns, and RL's pressure to shorten them broke the arithmetic on every item (the greedy
+   pass rate fell from 0.85 to 0.58 in 100 steps). The warm start still cuts a tenth of its long
+   traces at ARITH_SFT_CUT, so the model knows the format an interruption leaves.
+3. Items are split by a hash of the question into an SFT pool (tiny.py's warm start) and an RL pool
    (train and held-out), so no held-out item is ever trained on.
-3. `arith-hard`, every RL-pool item with 7-9 additions, is a second task for a CPU run:
+4. `arith-hard`, every RL-pool item with 7-9 additions, is a second task for a CPU run:
    `--data arith-hard+arith` is two difficulty bands (7-9 additions, and the rest of arith's items).
 """
 
@@ -27,7 +32,10 @@ ARITH_INSTRUCTION = "Answer in \\boxed{}."
 # The hardest arith item needs this many additions (lines of thinking).
 ARITH_MAX_ADDS = 9
 # Thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73.
-ARITH_THINK_BUDGET = (80, 94)
+# RL's interruption budget (flags.Args.think_budget): past every item, it cuts only rambling.
+ARITH_THINK_BUDGET = (100, 110)
+# The warm start's interruption cuts (tiny.warm_start_example): inside the 8-9-addition items.
+ARITH_SFT_CUT = (80, 94)
 # RL-pool items that data.load_prompts("arith") returns (train + held-out), of ~2,570 distinct.
 ARITH_SIZE = 2000
 # "arith-hard": the RL-pool items with at least this many additions (662).

@@ -233,8 +233,8 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
     assert reward.math_reward(sloppy, item.gold, timeout=30.0) == 0.0
 
 
-def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
-    lo, hi = arith.ARITH_THINK_BUDGET
+def test_arith_thinking_lengths_fit_the_budget_and_pools_are_disjoint(tok):
+    lo, hi = arith.ARITH_SFT_CUT
     items = [item for item, _ in zip(arith.arith_items(1), range(2000), strict=False)]
     think = {}  # additions -> thinking tokens up to and including </think>
     for item in items:
@@ -247,6 +247,8 @@ def test_arith_thinking_lengths_span_the_budget_and_pools_are_disjoint(tok):
         max(think[arith.ARITH_MAX_ADDS - 2]) < lo < max(think[arith.ARITH_MAX_ADDS - 1]) < hi
     )  # binds on the 2 hardest
     assert lo < max(think[arith.ARITH_MAX_ADDS]) <= hi
+    # RL's interruption budget cuts no item's worked countdown, only rambling
+    assert max(max(t) for t in think.values()) < arith.ARITH_THINK_BUDGET[0]
     assert max(think[1]) < min(think[arith.ARITH_MAX_ADDS])  # longer with difficulty
     sft = {i.question for i, _ in zip(arith.arith_items(1, "sft"), range(5000), strict=False)}
     assert sft.isdisjoint(i.question for i in items)

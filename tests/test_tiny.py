@@ -56,7 +56,7 @@ def test_warm_start_example_masks(tok):
     cut = (
         completion.index(phrase) - len("<think>") + 1
     )  # thinking tokens before the phrase: ASCII after <think>
-    assert arith.ARITH_THINK_BUDGET[0] <= cut <= arith.ARITH_THINK_BUDGET[1]
+    assert arith.ARITH_SFT_CUT[0] <= cut <= arith.ARITH_SFT_CUT[1]
     n_phrase = len(tok(phrase, add_special_tokens=False)["input_ids"])
     assert mask[prompt_len:] == [1] * cut + [0] * n_phrase + [1] * (
         len(ids) - prompt_len - cut - n_phrase
@@ -80,6 +80,22 @@ def test_warm_start_loss_label_smoothing_by_hand():
     pos1 = 0.9 * -math.log(0.3) + 0.1 * -(math.log(0.1) + math.log(0.2) + math.log(0.3)) / 3
     got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3).item()
     assert math.isclose(got, (pos0 + pos1) / 2, rel_tol=1e-6)
+    # smoothing at position 1 only (position 0 unsmoothed: the same value, its p is uniform);
+    # then at position 0 only: position 1 is the plain -log 0.3
+    smoothed = torch.tensor([[0.0, 1.0, 1.0]])
+    got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3, smoothed).item()
+    assert math.isclose(got, (pos0 + pos1) / 2, rel_tol=1e-6)
+    got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3, 1 - smoothed).item()
+    assert math.isclose(got, (pos0 - math.log(0.3)) / 2, rel_tol=1e-6)
+
+
+def test_not_digits_marks_every_token_but_the_digits(tok):
+    text = "<think>\n2:18+7=25\n</think>\n\n\\boxed{25}"
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])  # (1, T)
+    want = [0.0 if tok.decode([i]) in "0123456789" else 1.0 for i in ids[0].tolist()]
+    assert (
+        tiny.not_digits(tok, ids)[0].tolist() == want and want.count(0.0) == 8
+    )  # 2, 18, 7, 25, 25
 
 
 def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
