@@ -44,12 +44,13 @@ PAPER_GEN = dict(
 PRESETS = {
     # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
     # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
-    # runs are in the README). Measured on seed 1 with tiny.py's warm start of 2026-12:
+    # runs are in the README). Measured on seed 1 with tiny.py's warm start of bd904ed:
     # - lr 3e-4 with groups of 16: the sampled pass rate rose from 0.20 to 0.63 in 20 steps and
-    #   held at 0.65-0.72 to step 70. With groups of 8 (half the rollouts per step: 16 prompts
-    #   x 8) it swung by 0.03-0.07 between evals late in the run, and at lr 2e-4 it rose smoothly to
-    #   0.76 at step 80, then fell to 0.66 at step 95: once most groups of 8 are all right, the
-    #   zero-variance filter leaves a few per step, and those noisy steps undo the gains.
+    #   held at 0.65-0.72 to the end of a 70-step run. With groups of 8 (half the rollouts per step)
+    #   and lr 3e-4 it swung by 0.03-0.07 between evals late in the run. With groups of 8 and lr
+    #   2e-4 it rose more smoothly to 0.76 at step 80, then fell to 0.66 at step 95. Once most
+    #   groups of 8 are all right, the zero-variance filter leaves a few per step, and those noisy
+    #   steps undo the gains; groups of 16 narrow the swings but do not end them (README "Result").
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
     # - 100 steps, an eval of 200 held-out prompts x 8 every 5 steps: 21 points, half of them in the

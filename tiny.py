@@ -17,11 +17,11 @@ Where it departs from a real Qwen3 checkpoint and its SFT, and why:
    greedy decoding (R0 ~0.2 vs ~0.95): the room RL's sharpening fills (PAPER.md 8: the sampled
    pass rate is the fitted metric). The layout is one habit shared by every item, which RL
    sharpens within ~30 steps, so the curve flattens (issue 12). Smoothing 0.03 on every token
-   (until 2026-12) left the sums unsure too, and RL sharpened those one context at a time: a curve
+   (before bd904ed) left the sums unsure too, and RL sharpened those one context at a time: a curve
    that crept on without flattening, as did the sloppy teacher before it (arith_solution's `slip`).
-4. A tenth of the warm-start traces are cut inside the thinking by the interruption phrase (paper
-   §4) followed by the gold box, so the model has seen the format that forced interruptions
-   produce. The phrase is not trained on.
+4. A tenth of the warm-start traces long enough (8-9 additions) are cut inside the thinking at
+   arith.ARITH_SFT_CUT by the interruption phrase (paper §4), then the gold box, so the model has
+   seen the format forced interruptions produce. The phrase is not trained on.
 
 The build's cache key (build_key) hashes the source text of the functions that shape the weights:
 editing one of them, even a docstring, rebuilds every cached model.
@@ -239,8 +239,8 @@ def warm_start(
 ) -> float:
     """Supervised warm start on arith.arith_items(seed, "sft"): AdamW, linear warmup then cosine
     decay to 0, mean token cross-entropy over masked-in tokens, label smoothing `smoothing` on all
-    but the digits (not_digits). Batches are drawn 4 at a time and
-    grouped by length (less padding). Returns the mean loss over the last 10% of steps."""
+    but the digits (not_digits). Batches are drawn 4 at a time and grouped by length (less
+    padding). Returns the mean loss over the last 10% of steps."""
     rng = random.Random(seed)
     items = arith.arith_items(seed, "sft")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)

@@ -1,10 +1,11 @@
 """data.py, sources.py, arith.py and heldout.py: column mapping in each file format (GSM8K "####"
 answers, \\boxed{} solutions, key overrides), every kind of bad row skipped and counted, the all-bad
 error, the held-out split (deterministic, disjoint, restored on resume), the arith task (solutions
-graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
-interruption budget, SFT and RL pools disjoint), the 100 real GSM8K questions with their golds;
-thinking decided from the chat template (Qwen3 hybrid, no think block, opened think block,
-DeepSeek-R1, a closed empty block, no template, a multi-token </think>) and the eval warning; number
+graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the warm
+start's interruption cuts and all below RL's budget, SFT and RL pools disjoint), the 100 real
+GSM8K questions with their golds; thinking decided from the chat template (Qwen3 hybrid, no think
+block, opened think block, DeepSeek-R1, a closed empty block, no template, a multi-token </think>)
+and the eval warning; number
 golds written exactly and bad answers (bool, NaN, inf, lists) counted in JSON, JSONL and parquet;
 files with a UTF-8 byte-order mark loading every row; a local path told from a hub id
 (is_local_path, hand-picked names). Multi-task (issue 16): a mixture's prompts named by source,

