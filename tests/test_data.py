@@ -5,13 +5,12 @@ graded right by reward.math_reward, wrong answers graded wrong, thinking lengths
 start's interruption cuts and all below RL's budget, SFT and RL pools disjoint), the 100 real
 GSM8K questions with their golds; thinking decided from the chat template (Qwen3 hybrid, no think
 block, opened think block, DeepSeek-R1, a closed empty block, no template, a multi-token </think>)
-and the eval warning; number
-golds written exactly and bad answers (bool, NaN, inf, lists) counted in JSON, JSONL and parquet;
-files with a UTF-8 byte-order mark loading every row; a local path told from a hub id
-(is_local_path, hand-picked names). Multi-task (issue 16): a mixture's prompts named by source,
-questions of an earlier source dropped, its errors; the held-out split per task (eval_size of each,
-by the documented draws, restored on resume, the error naming the short task); and arith-hard:
-every RL-pool item with 7-9 additions, graded right by its gold."""
+and the eval warning; number golds written exactly and bad answers (bool, NaN, inf, lists) counted
+in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row; a local path told
+from a hub id (is_local_path, hand-picked names). Multi-task (issue 16): a mixture's prompts named
+by source, questions of an earlier source dropped, its errors; the held-out split per task
+(eval_size of each, by the documented draws, restored on resume, the error naming the short task);
+and arith-hard: every RL-pool item with 7-9 additions, graded right by its gold."""
 
 import json
 import os
