@@ -136,16 +136,20 @@ def versions_from_spans(spans, n: int) -> list[int]:
 def renice(pids, nice: int) -> int:
     """Set the nice value of every thread of the processes `pids` to `nice` (only ever lowering
     their priority: no privilege needed for our own children). Linux keeps a nice value per thread,
-    and a thread inherits its starter's, so threads started later follow. Returns the threads
-    changed; processes or threads gone meanwhile are skipped."""
-    changed = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            for t in psutil.Process(pid).threads():
-                with contextlib.suppress(OSError):  # the thread ended
-                    if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
-                        os.setpriority(os.PRIO_PROCESS, t.id, nice)
-                    changed += 1
+    and a thread inherits its starter's, so threads started later follow; a thread started during a
+    pass by one not yet lowered would not, so passes repeat until one changes nothing. Returns the
+    threads changed; processes or threads gone meanwhile are skipped."""
+    changed, last = 0, -1
+    while last:
+        last = 0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                for t in psutil.Process(pid).threads():
+                    with contextlib.suppress(OSError):  # the thread ended
+                        if os.getpriority(os.PRIO_PROCESS, t.id) < nice:
+                            os.setpriority(os.PRIO_PROCESS, t.id, nice)
+                            last += 1
+        changed += last
     return changed
 
 
