@@ -61,12 +61,12 @@ PRESETS = {
     #   in the middle of the fitted curve.
     "tiny": dict(
         max_lag=2,
-        lr=3e-4,
+        lr=2e-4,
         group_size=16,
-        steps=100,
+        steps=140,
         eval_every=5,
         eval_size=200,
-        eval_n=8,
+        eval_n=4,
         save_every=0,
     ),
     "smollm2-135m": dict(
