@@ -45,17 +45,21 @@ PRESETS = {
     # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
     # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
     # runs are in the README). Measured on seed 1 with tiny.py's warm start of bd904ed:
-    # - lr 3e-4 with groups of 16: the sampled pass rate rose from 0.20 to 0.63 in 20 steps and
-    #   held at 0.65-0.72 to the end of a 70-step run. With groups of 8 (half the rollouts per step)
-    #   and lr 3e-4 it swung by 0.03-0.07 between evals late in the run. With groups of 8 and lr
-    #   2e-4 it rose more smoothly to 0.76 at step 80, then fell to 0.66 at step 95. Once most
-    #   groups of 8 are all right, the zero-variance filter leaves a few per step, and those noisy
-    #   steps undo the gains; groups of 16 narrow the swings but do not end them (README "Result").
+    # - lr 2e-4 with groups of 16, 140 steps: the sampled pass rate rose from 0.21 to 0.73 by step
+    #   40 and held at 0.69-0.81 to step 140; whole-run A 0.792 [0.776, 0.810], the half-run fit's
+    #   A 0.779, its mean error on the later 15 evals 0.016. At lr 3e-4 (100 steps) it rose faster
+    #   but swung by 0.03-0.06 between evals and fell from 0.771 at step 60 to 0.580 at step 100:
+    #   RL wore away the sums (README "Result"). At lr 2e-4 and 100 steps it was still rising.
+    # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
+    #   groups per step once most are all right, and those noisy steps swung the pass rate by
+    #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - 100 steps, an eval of 200 held-out prompts x 8 every 5 steps: 21 points, half of them in the
-    #   first half of the compute, sampling noise ~0.011. With 11 points and the policy's own
-    #   step-to-step swings (~0.02), no fit could tell the ceiling apart from one 0.05 higher.
+    # - an eval of 200 held-out prompts x 4 every 5 steps: 29 points (R0 included), 14 of them in
+    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs 13 s an
+    #   eval instead of 7; on a CPU the evals queue behind training and drain at the end, and 140
+    #   steps would not fit in 15 minutes. With 11 points and the policy's own swings (~0.02), no
+    #   fit could tell the ceiling apart from one 0.05 higher.
     # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
     #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
     #   in the middle of the fitted curve.
