@@ -46,20 +46,22 @@ PRESETS = {
     # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
     # runs are in the README). Measured on seed 1 with tiny.py's warm start of bd904ed:
     # - lr 2e-4 with groups of 16, 140 steps: the sampled pass rate rose from 0.21 to 0.73 by step
-    #   40 and held at 0.69-0.81 to step 140; whole-run A 0.792 [0.776, 0.810], the half-run fit's
-    #   A 0.779, its mean error on the later 15 evals 0.016. At lr 3e-4 (100 steps) it rose faster
-    #   but swung by 0.03-0.06 between evals and fell from 0.771 at step 60 to 0.580 at step 100:
-    #   RL wore away the sums (README "Result"). At lr 2e-4 and 100 steps it was still rising.
+    #   40 and held at 0.69-0.81 to step 140; whole-run A 0.792 (95% bootstrap [0.776, 0.810],
+    #   bench/seeds.check at 711644a), the half-run fit's A 0.779, its mean error on the later 15
+    #   evals 0.016. At lr 3e-4 (100 steps) it rose faster, but over the second half consecutive
+    #   evals moved by 0.029-0.041 on average (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell
+    #   from 0.771 at step 60 to 0.580 at step 100: RL wore away the sums (README "Result"). At
+    #   lr 2e-4 and 100 steps it was still rising.
     # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
     #   groups per step once most are all right, and those noisy steps swung the pass rate by
     #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
     # - an eval of 200 held-out prompts x 4 every 5 steps: 29 points (R0 included), 14 of them in
-    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs 13 s an
-    #   eval instead of 7; on a CPU the evals queue behind training and drain at the end, and 140
-    #   steps would not fit in 15 minutes. With 11 points and the policy's own swings (~0.02), no
-    #   fit could tell the ceiling apart from one 0.05 higher.
+    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
+    #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
+    #   and drain at the end, and 140 steps would not fit in 15 minutes. With 11 points and the
+    #   policy's own swings (~0.02), no fit could tell the ceiling apart from one 0.05 higher.
     # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
     #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
     #   in the middle of the fitted curve.

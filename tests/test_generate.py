@@ -8,7 +8,7 @@ fail); (2) every interruption rule, with exact token accounting, on crafted weig
 case certain; (3) an update mid-generation switches the version inside each completion and the
 tokens after the switch follow the new weights, no request dropped; (4) bad input gives a clear
 error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
-choice, engine arguments) and the testable parts of the GPU (NCCL) path.
+choice, engine arguments, renice) and the testable parts of the GPU (NCCL) path.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -56,6 +56,18 @@ LETTERS = list(range(ord("a"), ord("z") + 1))
 PROMPT = list(b"Question: what is 2+2?\n")
 # bytes, then one id
 PHRASE_IDS = list(data.PHRASE.removesuffix("</think>").encode()) + [THINK_END]
+
+# A chain of threads: each starts the next 2 ms in, then lives 0.3 s; 4 chains at once.
+THREAD_CHAINS = """
+import threading, time
+def link():
+    time.sleep(0.002)
+    threading.Thread(target=link, daemon=True).start()
+    time.sleep(0.3)
+for _ in range(4):
+    threading.Thread(target=link, daemon=True).start()
+time.sleep(60)
+"""
 
 
 def crafted(start_dir, out_dir, classes, M):
@@ -135,27 +147,17 @@ def test_versions_from_spans():
             engine.versions_from_spans(spans, n)
 
 
-# A chain of threads: each starts the next 2 ms in, then lives 0.3 s; 4 chains at once.
-THREAD_CHAINS = """
-import threading, time
-def link():
-    time.sleep(0.002)
-    threading.Thread(target=link, daemon=True).start()
-    time.sleep(0.3)
-for _ in range(4):
-    threading.Thread(target=link, daemon=True).start()
-time.sleep(60)
-"""
-
-
 def test_renice_reaches_threads_started_during_the_pass():
     """A thread started during renice's pass by one not yet lowered keeps the old nice, and so do
     all its descendants: one pass left such chains at nice 0 on every try (10 of 10). Checked 0.4 s
     after, when every thread alive was started after renice returned."""
+    with pytest.raises(ValueError, match="nice must be in"):  # Linux caps nice at 19
+        engine.renice([os.getpid()], 20)
     for _ in range(2):
         child = subprocess.Popen([sys.executable, "-c", THREAD_CHAINS])
         try:
             time.sleep(0.5)
+            assert os.getpriority(os.PRIO_PROCESS, 0) < 19, "pytest runs at nice 19 already"
             assert engine.renice([child.pid], 19) > 0
             time.sleep(0.4)
             nices = set()
