@@ -41,6 +41,7 @@ import data
 import generate
 import launch
 import offpolicy
+import presets
 import records
 import tiny
 import train
@@ -349,8 +350,9 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
     launch.setup_distributed()
     try:
+        default_steps = presets.PRESETS["tiny"]["steps"]  # a fresh run's, not the saved 7
         for argv, steps, saved in (
-            ("--run-dir", 100, ""),
+            ("--run-dir", default_steps, ""),
             ("--resume", 7, " with its saved flags"),
         ):
             stopped_early()
