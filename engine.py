@@ -38,8 +38,7 @@ from placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is gi
 SHUTDOWN_TIMEOUT = 20.0
 # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 NCCL_CHECKED_ON = "0.32"
-# renice's passes at most (2-3 measured against threads starting threads every 2 ms): each
-# catches the threads started during the one before
+# renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # os.environ is the process's: engines started from two threads at once must not mix their variables
 _SPAWN_LOCK = threading.Lock()
@@ -68,9 +67,7 @@ def weight_transfer_backend(
             f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); "
             "use 'disk'"
         )
-    if requested != "auto":
-        return requested
-    return "nccl" if nccl_ok else "disk"
+    return requested if requested != "auto" else ("nccl" if nccl_ok else "disk")
 
 
 def engine_args(
@@ -95,8 +92,7 @@ def engine_args(
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
-    # FP32 LM head in the generator (§3.2, A.19)
-    head = {"head_dtype": "float32"} if fp32_head else {}  # vLLM 0.32 refuses None
+    head = {"head_dtype": "float32"} if fp32_head else {}  # §3.2, A.19; vLLM 0.32 refuses None
     return AsyncEngineArgs(
         model=model,
         seed=seed,
@@ -115,8 +111,7 @@ def engine_args(
         hf_overrides=head,
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
         use_tqdm_on_load=False,  # no loading bars at every in-flight weight update
-        # vLLM's public hook for extra collective_rpc methods
-        worker_extension_cls=f"{__name__}.WorkerExtension",
+        worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's hook for extra RPCs
         disable_log_stats=True,
     )
 
@@ -137,14 +132,12 @@ def versions_from_spans(spans, n: int) -> list[int]:
 
 
 def renice(pids, nice: int) -> int:
-    """Set the nice value of every thread of the processes `pids` to `nice` (only ever lowering
-    their priority: no privilege needed for our own children). Linux keeps a nice value per thread,
-    and a thread inherits its starter's, so threads started later follow; a thread started during a
-    pass by one not yet lowered would not, so passes repeat until one changes nothing, at most
-    RENICE_PASSES. A pass reads /proc/PID/task, not psutil's per-thread stat files (50 times
-    slower: threads starting a thread every 2 ms outran it). Returns the threads changed;
-    processes or threads gone meanwhile are skipped. Raises ValueError unless 1 <= nice <= 19."""
-    if not 1 <= nice <= 19:  # Linux caps nice at 19: a larger value would never be reached
+    """Lower every thread of the processes `pids` to nice `nice` (no privilege needed for our own
+    children). Linux keeps a nice value per thread and a new thread inherits its starter's, so
+    passes over /proc/PID/task (50x faster than psutil's) repeat until one changes nothing: a
+    thread started mid-pass by one not yet lowered is caught by the next. Returns the threads
+    changed; ones gone meanwhile are skipped. Raises ValueError unless 1 <= nice <= 19."""
+    if not 1 <= nice <= 19:  # Linux caps nice at 19: a larger value is never reached
         raise ValueError(f"nice must be in [1, 19], got {nice}")
     changed = 0
     for _ in range(RENICE_PASSES):
