@@ -68,9 +68,10 @@ PRESETS = {
     "tiny": dict(
         max_lag=2,
         lr=2e-4,
+        prompts_per_step=12,
         group_size=16,
-        steps=140,
-        eval_every=5,
+        steps=185,
+        eval_every=6,
         eval_size=200,
         eval_n=4,
         save_every=0,
