@@ -159,9 +159,11 @@ def start_engine(
     args: AsyncEngineArgs, env: dict[str, str], nice: int = 0
 ) -> tuple[AsyncLLM, list[multiprocessing.Process], list[psutil.Process]]:
     """Start vLLM's `AsyncLLM` from `args`, with the variables `env` in os.environ while its
-    processes spawn (they inherit them; this process's own are put back after). nice: if not 0,
-    `renice` every thread of the new processes. Returns the engine, its processes (this process's
-    children) and theirs (vLLM's workers), for `Engine.shutdown`. Raises vLLM's errors."""
+    processes spawn (they inherit them; ours are put back after). nice: if not 0, `renice` every
+    thread of the new processes. Returns the engine, its processes (our children) and theirs (vLLM's
+    workers), for `Engine.shutdown`. Raises ValueError for a bad nice before anything starts."""
+    if nice:
+        renice([], nice)  # checks nice only: it cannot raise once the engine runs
     with _SPAWN_LOCK:
         before = multiprocessing.active_children()
         saved = {k: os.environ.get(k) for k in env}
@@ -286,12 +288,10 @@ class Engine:
 
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
-    vLLM 0.32) for the layers a checkpoint never holds, so that every in-flight update does not
-    read as a failed one. vLLM logs it for a layer with tensors that received no weights in a
-    reload, and then puts the layer's existing tensors back: right for RotaryEmbedding (its cos/sin
-    cache is a computed buffer, in no checkpoint) and for a tied ParallelLMHead (its weight is the
-    embedding's, saved once, as checkpoint.export_weights does). Any other layer, and the head of an
-    untied model, still warns."""
+    vLLM 0.32), logged for a layer that received no weights in a reload before it puts the layer's
+    tensors back, for the layers no checkpoint holds: RotaryEmbedding (its cos/sin cache is a
+    computed buffer) and a tied ParallelLMHead (its weight is the embedding's, saved once, as
+    checkpoint.export_weights does). Any other layer, and an untied head, still warns."""
 
     def __init__(self, tied: bool):
         super().__init__()

@@ -170,6 +170,19 @@ def test_renice_reaches_threads_started_during_the_pass():
             child.wait()
 
 
+def test_start_engine_checks_nice_before_anything_starts(monkeypatch):
+    """A bad nice raises before vLLM starts a process: raised after, it would leave them running."""
+    started = []
+    monkeypatch.setattr(engine.AsyncLLM, "from_engine_args", lambda args: started.append(args))
+    for bad in (20, -1):
+        with pytest.raises(ValueError, match="nice must be in"):
+            engine.start_engine(SimpleNamespace(), {}, nice=bad)
+    assert started == []
+    args = SimpleNamespace()
+    assert engine.start_engine(args, {}, nice=19) == (None, [], [])  # the patch is what runs
+    assert started == [args]
+
+
 def test_weight_transfer_backend_choice():
     pick = engine.weight_transfer_backend
     ok = dict(cuda=True, dedicated=True, vllm_version="0.32.3")
