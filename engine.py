@@ -194,9 +194,8 @@ class Engine:
       gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set
         to them while they are spawned (this process's CUDA is unaffected); placement.plan maps
         visible indices to these.
-      weight_transfer: "disk" or "nccl" (`generate.Sampler.sync_client`), decided by the caller
-        from the placement with `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no
-        trainer uses.
+      weight_transfer: "disk" or "nccl" (`generate.Sampler.sync_client`), from the caller's
+        `weight_transfer_backend`; "auto" takes `gpus` given as GPUs no trainer uses.
       nice: CPU priority of the engine's processes, every thread (`renice`; 19 = the lowest), for
         an engine that shares the CPU with the trainer (the eval engine on CPU).
       env: environment variables for the engine's processes (set while they start), e.g.
@@ -393,8 +392,9 @@ class SyncClient:
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
             await self.engine.finish_weight_update()
 
-        # labelled with the trainer's version that pipeline.Pipeline.publish_by set (None: + 1)
-        self._call(self.sampler._swap(transfer(), self.sampler.next_version))
+        # Pipeline.publish_by's label (None: + 1), taken: a later update must not reuse it
+        version, self.sampler.next_version = self.sampler.next_version, None
+        self._call(self.sampler._swap(transfer(), version))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         pass  # done inside update_weights, which labels the weights with Sampler.next_version

@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -181,6 +182,44 @@ def test_start_engine_checks_nice_before_anything_starts(monkeypatch):
     args = SimpleNamespace()
     assert engine.start_engine(args, {}, nice=19) == (None, [], [])  # the patch is what runs
     assert started == [args]
+
+
+def test_sync_client_uses_each_label_once():
+    """The NCCL client labels the weights with the version Pipeline.publish_by set, then clears it:
+    an update without a new label counts on (+ 1) instead of putting the old label back. The fake
+    stands in for the engine only; the pause, label and resume are generate.Sampler._swap's."""
+    calls = []
+
+    async def rpc(name, *a, **kw):
+        calls.append(name)
+
+    fake_engine = SimpleNamespace(
+        **{
+            n: lambda *a, n=n, **kw: rpc(n)
+            for n in ("pause_generation", "resume_generation", "update_weight_version")
+            + ("start_weight_update", "update_weights", "finish_weight_update")
+        }
+    )
+    sampler = SimpleNamespace(engine=fake_engine, version=0, loads=0, next_version=None)
+    sampler._update_lock = asyncio.Lock()  # bound to the loop that first uses it
+    sampler._swap = generate.Sampler._swap.__get__(sampler)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        client = engine.SyncClient(sampler, loop)
+        sampler.next_version = 5
+        client.update_weights(None)
+        assert (sampler.version, sampler.next_version) == (5, None)
+        client.update_weights(None)
+        assert sampler.version == 6 and sampler.loads == 2
+        transfer = ["start_weight_update", "update_weights", "finish_weight_update"]
+        one = ["pause_generation", *transfer, "update_weight_version", "resume_generation"]
+        assert calls == one + one
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def test_weight_transfer_backend_choice():
