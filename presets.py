@@ -44,24 +44,29 @@ PAPER_GEN = dict(
 PRESETS = {
     # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
     # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
-    # runs are in the README). Measured on seed 1 with tiny.py's warm start of bd904ed:
-    # - lr 2e-4 with groups of 16, 140 steps: the sampled pass rate rose from 0.21 to 0.73 by step
-    #   40 and held at 0.69-0.81 to step 140; whole-run A 0.792 (95% bootstrap [0.776, 0.810],
-    #   bench/seeds.check at 711644a), the half-run fit's A 0.779, its mean error on the later 15
-    #   evals 0.016. At lr 3e-4 (100 steps) it rose faster, but over the second half consecutive
-    #   evals moved by 0.029-0.041 on average (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell
-    #   from 0.771 at step 60 to 0.580 at step 100: RL wore away the sums (README "Result"). At
-    #   lr 2e-4 and 100 steps it was still rising.
+    # runs are in the README). Measured with tiny.py's warm start of bd904ed:
+    # - 12 prompts x 16 a step, 185 steps: a step costs ~3.2 s instead of ~3.9 with 16 prompts, so
+    #   185 steps fit where 140 did, and the fits' C_mid fell from 12-13% of the compute to 10-11%.
+    #   With 16 prompts and 140 steps (1c38a8f) seed 2 was still climbing at half the compute and
+    #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
+    #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
+    #   though a second run of it (a72f38d) missed: one eval fell to 0.723 at the end of its half.
+    # - lr 2e-4 with groups of 16: on seed 1 (16 prompts, 140 steps) the sampled pass rate rose
+    #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
+    #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
+    #   (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell from 0.771 at step 60 to 0.580 at step
+    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 put one eval at 0.715
+    #   and missed the half-run bar by more (error 0.050).
     # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
     #   groups per step once most are all right, and those noisy steps swung the pass rate by
     #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - an eval of 200 held-out prompts x 4 every 5 steps: 29 points (R0 included), 14 of them in
+    # - an eval of 200 held-out prompts x 4 every 6 steps: 32 points (R0 included), 14 of them in
     #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
     #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
-    #   and drain at the end, and 140 steps would not fit in 15 minutes. With 11 points and the
-    #   policy's own swings (~0.02), no fit could tell the ceiling apart from one 0.05 higher.
+    #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11
+    #   points and the policy's own swings (~0.02), no fit could tell A from one 0.05 higher.
     # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
     #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
     #   in the middle of the fitted curve.
