@@ -287,10 +287,10 @@ class Engine:
 
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
-    vLLM 0.32), logged for a layer that received no weights in a reload before it puts the layer's
-    tensors back, for the layers no checkpoint holds: RotaryEmbedding (its cos/sin cache is a
-    computed buffer) and a tied ParallelLMHead (its weight is the embedding's, saved once, as
-    checkpoint.export_weights does). Any other layer, and an untied head, still warns."""
+    vLLM 0.32; logged for a layer that got no weights in a reload, whose tensors it then keeps) for
+    the layers no checkpoint holds, so that in-flight updates do not read as failed ones:
+    RotaryEmbedding (its cos/sin cache is computed) and a tied ParallelLMHead (its weight is the
+    embedding's, saved once, as checkpoint.export_weights does). Others, untied heads too, warn."""
 
     def __init__(self, tied: bool):
         super().__init__()
@@ -392,8 +392,8 @@ class SyncClient:
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
             await self.engine.finish_weight_update()
 
-        # Pipeline.publish_by's label (None: + 1), taken: a later update must not reuse it
-        version, self.sampler.next_version = self.sampler.next_version, None
+        version = self.sampler.next_version  # Pipeline.publish_by's label (None: + 1)
+        self.sampler.next_version = None  # taken: a later update must not reuse it
         self._call(self.sampler._swap(transfer(), version))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

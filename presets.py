@@ -46,7 +46,8 @@ PRESETS = {
     # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
     # runs are in the README). Measured with tiny.py's warm start of bd904ed:
     # - 12 prompts x 16 a step, 185 steps: a step costs ~3.2 s instead of ~3.9 with 16 prompts, so
-    #   185 steps fit where 140 did, and the fits' C_mid fell from 12-13% of the compute to 10-11%.
+    #   185 steps take about as long as 140 did (774-854 s a run, against 788-842 s), and the fits'
+    #   C_mid fell from 12-13% of the compute to 10-11%.
     #   With 16 prompts and 140 steps (1c38a8f) seed 2 was still climbing at half the compute and
     #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
     #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
@@ -55,14 +56,14 @@ PRESETS = {
     #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
     #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
     #   (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell from 0.771 at step 60 to 0.580 at step
-    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 put one eval at 0.715
-    #   and missed the half-run bar by more (error 0.050).
+    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 (16 prompts, 140 steps)
+    #   put one eval at 0.715 and missed the half-run bar by more (error 0.050, against 0.035).
     # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
     #   groups per step once most are all right, and those noisy steps swung the pass rate by
     #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - an eval of 200 held-out prompts x 4 every 6 steps: 32 points (R0 included), 14 of them in
+    # - an eval of 200 held-out prompts x 4 every 6 steps: 32 points, 15 of them (R0 included) in
     #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
     #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
     #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11

@@ -8,7 +8,8 @@ fail); (2) every interruption rule, with exact token accounting, on crafted weig
 case certain; (3) an update mid-generation switches the version inside each completion and the
 tokens after the switch follow the new weights, no request dropped; (4) bad input gives a clear
 error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
-choice, engine arguments, renice) and the testable parts of the GPU (NCCL) path.
+choice, engine arguments, renice and start_engine's check of nice) and the testable parts of the GPU
+(NCCL) path, the sync client's version labels among them.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -193,13 +194,9 @@ def test_sync_client_uses_each_label_once():
     async def rpc(name, *a, **kw):
         calls.append(name)
 
-    fake_engine = SimpleNamespace(
-        **{
-            n: lambda *a, n=n, **kw: rpc(n)
-            for n in ("pause_generation", "resume_generation", "update_weight_version")
-            + ("start_weight_update", "update_weights", "finish_weight_update")
-        }
-    )
+    transfer = ["start_weight_update", "update_weights", "finish_weight_update"]
+    swap = ["pause_generation", "update_weight_version", "resume_generation"]
+    fake_engine = SimpleNamespace(**{n: lambda *a, n=n, **kw: rpc(n) for n in transfer + swap})
     sampler = SimpleNamespace(engine=fake_engine, version=0, loads=0, next_version=None)
     sampler._update_lock = asyncio.Lock()  # bound to the loop that first uses it
     sampler._swap = generate.Sampler._swap.__get__(sampler)
@@ -213,12 +210,12 @@ def test_sync_client_uses_each_label_once():
         assert (sampler.version, sampler.next_version) == (5, None)
         client.update_weights(None)
         assert sampler.version == 6 and sampler.loads == 2
-        transfer = ["start_weight_update", "update_weights", "finish_weight_update"]
         one = ["pause_generation", *transfer, "update_weight_version", "resume_generation"]
         assert calls == one + one
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+        assert not thread.is_alive(), "the event loop did not stop"
         loop.close()
 
 
