@@ -4,7 +4,8 @@
 and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
 (R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
 Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
-prints and draws. records.final_fit draws fit.png with `plot`.
+prints and draws. records.final_fit draws fit.png with `plot`; train.py ends a run by printing
+`summary`, its fits in words.
 """
 
 import json
@@ -248,3 +249,40 @@ def main(args: Args):
 def cli():
     """`python fit.py ...`: fit.py's entry point calls this."""
     main(tyro.cli(Args))
+
+
+def _fit_words(f: dict, whole: bool) -> str:
+    """A fit of fit.json in words: A, trusted or why not (the whole run's also with its 95%
+    intervals, B and C_mid); or why there is none."""
+    if "error" in f:
+        return f"no fit: {f['error']}"
+    status = "A identified" if f["converged"] else f"NOT converged: {f['message']}"
+    if not whole:
+        return f"A {f['A']:.3f} ({status})"
+    ci = "profile [{:.3f}, {:.3f}]".format(*f["A_interval"])
+    if f["A_bootstrap"]:  # None when the fit did not converge
+        ci = "bootstrap [{:.3f}, {:.3f}], ".format(*f["A_bootstrap"]) + ci
+    return f"A {f['A']:.3f} (95% {ci}), B {f['B']:.3g}, C_mid {f['C_mid']:.3g} gpu-hours ({status})"
+
+
+def summary(run_dir: str, out: dict) -> str:
+    """final_fit's `out` in a few lines for the console (train.py prints it at the end of a run;
+    fit.json holds every number). Per curve (the run's, then each task's, indented): the pass rate
+    from R0 (the step-0 eval) to the last eval; the whole-run fit; the §5 check, the first half's
+    fit (compute, gpu_hours, up to fit_until) and its mean absolute error on the later evals. A fit
+    not converged says why ("A not identified: ..."); one that raised, its error. Never raises."""
+    if "R0" not in out:  # no step-0 eval
+        return f"run {run_dir}: {out['error']}"
+    lines = []
+    tasks = [(f"task {t}", "  ", c) for t, c in out.get("tasks", {}).items()]
+    for name, pad, c in [(f"run {run_dir}", "", out), *tasks]:
+        R0, final = c["R0"], c["final_pass_rate"]
+        rise = f"{R0:.3f} (R0) -> {final:.3f} at the last eval ({final - R0:+.3f})"
+        lines += [f"{pad}{name}: pass rate {rise}"]
+        lines += [f"{pad}  whole run: {_fit_words(c['whole_run'], whole=True)}"]
+        half = f"{pad}  first half (to {c['fit_until']:.3g} gpu-hours) -> second half: "
+        lines += [half + _fit_words(c, whole=False)]
+        if "n_tail" in c:
+            lines[-1] += f"; mean error {c['tail_mae']:.3f} on the {c['n_tail']} later evals"
+    plot = " and fit.png" * os.path.exists(os.path.join(run_dir, "fit.png"))
+    return "\n".join(lines + [f"every number in {os.path.join(run_dir, 'fit.json')}{plot}"])

@@ -1,7 +1,7 @@
 """A run's records, kept by rank 0: metrics.jsonl and samples.jsonl (and W&B), the held-out evals
 queued on the pipeline's eval engine and logged as they finish, the eval history with its live
-sigmoid fit (curve_fit, Eq. 1) and the final ones (final_fit: first half, §5, and whole run; summary
-says them in words), and the checkpoints.
+sigmoid fit (curve_fit, Eq. 1) and the final ones (final_fit: the first half, §5, and the whole
+run), and the checkpoints.
 
     python train.py --steps 2 --eval-every 2   # writes runs/NAME/{metrics,samples}.jsonl, fit.json
     python fit.py runs/NAME/metrics.jsonl        # the same fit, from the log, after the run
@@ -31,8 +31,6 @@ import pipeline
 from config import Args
 from launch import HEARTBEAT_S, rank0_call
 
-FIT_KEYS = ("A", "A_interval", "B", "C_mid", "converged", "message")  # a SigmoidFit's, in fit.json
-
 
 def curve_fit(history: list[dict], steps: int) -> dict:
     """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and
@@ -47,24 +45,30 @@ def curve_fit(history: list[dict], steps: int) -> dict:
     except (ValueError, RuntimeError) as e:
         return {"fit/converged": 0.0, "fit/error": str(e)}
     c_end = history[-1]["gpu_hours"] * steps / max(history[-1]["step"], 1)
-    # converged = 0 also when A is not identified (fit.py's rule); A_lo, A_hi: its profile
-    out = {"fit/A": f.A, "fit/A_lo": f.A_interval[0], "fit/A_hi": f.A_interval[1], "fit/B": f.B}
-    out |= {"fit/C_mid": f.C_mid, "fit/converged": float(f.converged)}
-    return out | {"fit/pred_final": float(f.predict(c_end))}
+    return {  # converged = 0 also when A is not identified (fit.py's rule); A_lo, A_hi: its profile
+        "fit/A": f.A,
+        "fit/A_lo": f.A_interval[0],
+        "fit/A_hi": f.A_interval[1],
+        "fit/B": f.B,
+        "fit/C_mid": f.C_mid,
+        "fit/converged": float(f.converged),
+        "fit/pred_final": float(f.predict(c_end)),
+    }
 
 
 def whole_run_fit(C, R, R0: float) -> dict:
     """Eq. 1 on the whole run, as bench/seeds.py checks one: pass rate R against C (gpu_hours, the
-    compute clock; the evals after step 0), R0 = the step-0 eval. Returns the fit's FIT_KEYS
-    (A_interval: A's 95% profile interval) and A_bootstrap, the pairs bootstrap's 95% interval for
-    A (fit.bootstrap's defaults; None when the fit did not converge or under 2 refits did), or
-    {"error": ...} when fit_sigmoid raises (ValueError: under 4 evals, a flat curve)."""
+    compute clock; the evals after step 0), R0 = the step-0 eval. Returns the fit's A, A_interval
+    (A's 95% profile interval), B, C_mid, converged, message, and A_bootstrap, the pairs bootstrap's
+    95% interval for A (fit.bootstrap's defaults; None when the fit did not converge or under 2
+    refits did); or {"error": ...} when fit_sigmoid raises (ValueError: under 4 evals, a flat
+    curve)."""
     try:
         f = fit.fit_sigmoid(C, R, R0)
     except (ValueError, RuntimeError) as e:
         return {"error": str(e)}
     boot = fit.bootstrap(f, C, R).A
-    out = {k: getattr(f, k) for k in FIT_KEYS}
+    out = {k: getattr(f, k) for k in ("A", "A_interval", "B", "C_mid", "converged", "message")}
     return out | {"A_bootstrap": list(boot) if np.isfinite(boot).all() else None}
 
 
@@ -74,7 +78,8 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     save the numbers (fit.json). Beside it, "whole_run": the fit on all the evals (whole_run_fit).
     A run of several tasks (history with eval/<task>/pass_rate) also gets those fits per task,
     under "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those
-    curves instead of the overall one. A fit that fails holds its "error" and is not drawn."""
+    curves instead of the overall one. A fit that fails holds its "error" and is not drawn.
+    fit_cli.summary says it in words."""
     if not history or history[0]["step"] != 0:  # R0 was abandoned (Ctrl-C) and could not run again
         out = {"error": "no step-0 eval (R0): nothing to fit against"}
         with open(os.path.join(run_dir, "fit.json"), "w") as f:
@@ -95,8 +100,18 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         except (ValueError, RuntimeError) as e:
             return {**out, "error": str(e)}
         curves.append((name, C, R, f))
-        out.update({k: getattr(f, k) for k in FIT_KEYS}, tail_mae=mae, n_tail=n_tail)
-        return out | {"predicted_final": float(f.predict(C[-1:])[0])}
+        out.update(
+            A=f.A,
+            A_interval=f.A_interval,
+            B=f.B,
+            C_mid=f.C_mid,
+            converged=f.converged,
+            message=f.message,
+            tail_mae=mae,
+            n_tail=n_tail,
+            predicted_final=float(f.predict(C[-1:])[0]),
+        )
+        return out
 
     out = one(os.path.basename(run_dir), "eval/pass_rate")
     if tasks:
@@ -113,48 +128,15 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     return out
 
 
-def _fit_words(f: dict, whole: bool) -> str:
-    """A fit of fit.json in words: A, trusted or why not (the whole run's also with its 95%
-    intervals, B and C_mid); or why there is none."""
-    if "error" in f:
-        return f"no fit: {f['error']}"
-    status = "A identified" if f["converged"] else f"NOT converged: {f['message']}"
-    if not whole:
-        return f"A {f['A']:.3f} ({status})"
-    ci = "profile [{:.3f}, {:.3f}]".format(*f["A_interval"])
-    if f["A_bootstrap"]:  # None when the fit did not converge
-        ci = "bootstrap [{:.3f}, {:.3f}], ".format(*f["A_bootstrap"]) + ci
-    return f"A {f['A']:.3f} (95% {ci}), B {f['B']:.3g}, C_mid {f['C_mid']:.3g} gpu-hours ({status})"
-
-
-def summary(run_dir: str, out: dict) -> str:
-    """final_fit's `out` in a few lines for the console (train.py prints it at the end of a run;
-    fit.json holds every number). Per curve (the run's, then each task's, indented): the pass rate
-    from R0 (the step-0 eval) to the last eval; the whole-run fit; the §5 check, the first half's
-    fit (compute, gpu_hours, up to fit_until) and its mean absolute error on the later evals. A fit
-    not converged says why ("A not identified: ..."); one that raised, its error. Never raises."""
-    if "R0" not in out:  # no step-0 eval
-        return f"run {run_dir}: {out['error']}"
-    lines = []
-    tasks = [(f"task {t}", "  ", c) for t, c in out.get("tasks", {}).items()]
-    for name, pad, c in [(f"run {run_dir}", "", out), *tasks]:
-        R0, final = c["R0"], c["final_pass_rate"]
-        rise = f"{R0:.3f} (R0) -> {final:.3f} at the last eval ({final - R0:+.3f})"
-        lines += [f"{pad}{name}: pass rate {rise}"]
-        lines += [f"{pad}  whole run: {_fit_words(c['whole_run'], whole=True)}"]
-        half = f"{pad}  first half (to {c['fit_until']:.3g} gpu-hours) -> second half: "
-        lines += [half + _fit_words(c, whole=False)]
-        if "n_tail" in c:
-            lines[-1] += f"; mean error {c['tail_mae']:.3f} on the {c['n_tail']} later evals"
-    plot = " and fit.png" * os.path.exists(os.path.join(run_dir, "fit.png"))
-    return "\n".join(lines + [f"every number in {os.path.join(run_dir, 'fit.json')}{plot}"])
-
-
 def clock_fields(c: dict) -> dict:
     """The compute clock `c` as a metrics.jsonl line carries it (x-axes for the fit and plots)."""
-    out = {"gpu_hours": c["gpu_hours"], "tokens": c["gen_tokens"] + c["train_tokens"]}
-    out |= {"flops": c["flops"], "clock/gen_tokens": c["gen_tokens"]}
-    return out | {"clock/train_tokens": c["train_tokens"]}
+    return {
+        "gpu_hours": c["gpu_hours"],
+        "tokens": c["gen_tokens"] + c["train_tokens"],
+        "flops": c["flops"],
+        "clock/gen_tokens": c["gen_tokens"],
+        "clock/train_tokens": c["train_tokens"],
+    }
 
 
 def eval_line(at: int, steps: int, m: dict, r, step: int) -> str:
@@ -234,10 +216,15 @@ class RunLog:
     def train_samples(self, step: int, groups) -> None:
         """Rank 0: the first rollout of the first log_samples groups, in samples.jsonl."""
         for g in groups[: self.args.log_samples]:
-            reason = g.reasons[0] if g.reasons else None
-            sample = {"step": step, "split": "train", "prompt": g.prompt.index}
-            sample |= {"text": g.completions[0].text, "gold": g.prompt.gold}
-            sample |= {"reward": g.rewards[0], "reason": reason}
+            sample = {
+                "step": step,
+                "split": "train",
+                "prompt": g.prompt.index,
+                "text": g.completions[0].text,
+                "gold": g.prompt.gold,
+                "reward": g.rewards[0],
+                "reason": g.reasons[0] if g.reasons else None,
+            }
             self.samples_f.write(json.dumps(sample) + "\n")
 
     def end_step(
@@ -325,8 +312,13 @@ class RunLog:
                     self.samples_f.write(json.dumps({"step": at, "split": "eval", **rec}) + "\n")
             point = {"step": at, "gpu_hours": c["gpu_hours"], **r.metrics}
             bisect.insort(self.history, point, key=lambda h: (h["gpu_hours"], h["step"]))
-            m = {**r.metrics, "eval/logged_at_step": step, "time/eval_s": r.eval_s}
-            m |= {"time/eval_queued_s": r.queued_s, **curve_fit(self.history, self.args.steps)}
+            m = {
+                **r.metrics,
+                "eval/logged_at_step": step,
+                "time/eval_s": r.eval_s,
+                "time/eval_queued_s": r.queued_s,
+                **curve_fit(self.history, self.args.steps),
+            }
             self.write({"step": at, **clock_fields(c), **m}, step)
             print(eval_line(at, self.args.steps, m, r, step), flush=True)
 

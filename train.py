@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 import checkpoint
 import filters
+import fit_cli
 import launch
 import loading
 import reward
@@ -276,7 +277,7 @@ def main(args: Args) -> None:
         done = step == args.steps and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if master and done:
-            print(records.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
+            print(fit_cli.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
         if step == args.steps:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained

@@ -6,7 +6,7 @@ promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 the
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
 resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
 The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
-true A inside its bootstrap interval) and the first half; records.summary says it in words (R0, the
+true A inside its bootstrap interval) and the first half; fit_cli.summary says it in words (R0, the
 last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
@@ -41,6 +41,7 @@ from transformers import AutoModelForCausalLM
 import checkpoint
 import config
 import data
+import fit_cli
 import generate
 import launch
 import offpolicy
@@ -628,7 +629,7 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
         assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
         assert whole["converged"] and whole["A_bootstrap"] == pytest.approx([A, A], rel=1e-6)
     assert out["R0"] == 0.15 and "A" in out  # the overall curve, fitted as before
-    text = records.summary(str(tmp_path), out)
+    text = fit_cli.summary(str(tmp_path), out)
     final_b = history[-1]["eval/b/pass_rate"]  # R0 0.1, one block per task, indented
     assert f"\n  task b: pass rate 0.100 (R0) -> {final_b:.3f} at the last eval" in text
     assert os.path.getsize(tmp_path / "fit.png") > 0
@@ -658,7 +659,7 @@ def test_final_fit_whole_run_and_its_summary(tmp_path):
     assert (
         out["fit_until"] == 0.5 and out["n_tail"] == 4
     )  # C = 10 ** (-2 + 2 k / 23) > 0.5: k >= 20
-    lines = records.summary(str(tmp_path), out).splitlines()
+    lines = fit_cli.summary(str(tmp_path), out).splitlines()
     rise = f"0.250 (R0) -> {R[-1]:.3f} at the last eval ({R[-1] - 0.25:+.3f})"
     assert lines[0] == f"run {tmp_path}: pass rate {rise}"
     assert lines[1].startswith("  whole run: A 0.8") and lines[1].endswith("(A identified)")
@@ -674,7 +675,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     R = eq1(C, 0.8, 1.0, 1.0, 0.2) + np.random.default_rng(2).normal(0, 0.005, 16)
     out = records.final_fit(str(tmp_path), history_of(C, R, 0.2))
     assert not out["whole_run"]["converged"] and out["whole_run"]["A_bootstrap"] is None
-    whole_line = records.summary(str(tmp_path), out).splitlines()[1]
+    whole_line = fit_cli.summary(str(tmp_path), out).splitlines()[1]
     assert "NOT converged: A not identified: fixed-A refits" in whole_line
     assert "bootstrap" not in whole_line  # no interval around a non-answer
     # two evals: neither fit can run; the summary says why instead of raising
@@ -684,7 +685,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     assert out["whole_run"] == {
         "error": "2 distinct compute values at C >= c_min=0.0; need at least 4"
     }
-    lines = records.summary(str(few), out).splitlines()
+    lines = fit_cli.summary(str(few), out).splitlines()
     assert lines[0] == f"run {few}: pass rate 0.200 (R0) -> 0.400 at the last eval (+0.200)"
     assert (
         lines[1]
@@ -698,7 +699,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     # no step-0 eval (R0 abandoned by a Ctrl-C): one line
     out = records.final_fit(str(few), history_of([0.1, 0.2], [0.3, 0.4], 0.2)[1:])
     assert (
-        records.summary("runs/x", out) == "run runs/x: no step-0 eval (R0): nothing to fit against"
+        fit_cli.summary("runs/x", out) == "run runs/x: no step-0 eval (R0): nothing to fit against"
     )
 
 
