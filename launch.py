@@ -48,8 +48,7 @@ def setup_distributed(timeout_s: float = 1800.0):
     """torchrun sets RANK / WORLD_SIZE; a plain `python train.py` becomes a 1-rank group, so one
     code path (FSDP2) serves both. NCCL on GPU, gloo on CPU. timeout_s: how long a rank may wait in
     one collective (--dist-timeout); rank 0's long waits go through rank0_call, so this only has to
-    catch a hung rank. On CPU the trainer takes half the cores (torch.set_num_threads), the vLLM
-    engines the rest. Returns (rank, world, device)."""
+    catch a hung rank. Returns (rank, world, device)."""
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",
@@ -62,9 +61,6 @@ def setup_distributed(timeout_s: float = 1800.0):
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    else:  # the vLLM engines share these cores: half for the trainer (2 cores: 1 thread, 15% less
-        # time per step than 2 threads that wait on each other, seed 0's first 30 steps)
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         device_id=device if cuda else None,

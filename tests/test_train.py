@@ -382,20 +382,15 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
         config.parse_args(["--resume", str(tmp_path)])
 
 
-def test_setup_distributed_gives_the_cpu_trainer_half_the_cores(monkeypatch):
-    """On CPU the trainer takes half the cores this process may run on, at least one; the vLLM
-    engines get the rest."""
+def test_share_cpu_gives_the_trainer_half_the_cores():
+    """Once the vLLM engines start on CPU, the trainer takes half the cores this process may run
+    on, at least one (rollouts.share_cpu); the engines get the rest."""
+    import rollouts  # imports vLLM
+
     threads = torch.get_num_threads()
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)  # a GPU machine too
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(k, v)
     try:
-        for cpus, want in (({0, 1, 2, 3, 4, 5}, 3), ({0, 1}, 1), ({7}, 1)):
-            monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid, c=cpus: c)
-            monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
-            launch.setup_distributed()
-            launch.dist.destroy_process_group()
-            assert torch.get_num_threads() == want, cpus
+        for cpus, want in (({0, 1, 2, 3, 4, 5}, 3), ({0, 1}, 1), ({7}, 1), ({0, 1, 2}, 1)):
+            assert rollouts.share_cpu(cpus) == want and torch.get_num_threads() == want, cpus
     finally:
         torch.set_num_threads(threads)
 
