@@ -221,17 +221,6 @@ def run_line(
     )
 
 
-def share_cpu(allowed: set[int] | None = None) -> int:
-    """On CPU, once the vLLM engines start: the trainer's torch threads, half the cores this process
-    may run on (`allowed`, default os.sched_getaffinity), at least 1; the engines take the rest.
-    Measured on 2 cores (seed 0's first 30 steps): 1 thread took 15% less time per step than 2,
-    whose threads waited on each other. Before this the tiny model's warm start has every core.
-    Returns the thread count."""
-    n = max(1, len(allowed if allowed is not None else os.sched_getaffinity(0)) // 2)
-    torch.set_num_threads(n)
-    return n
-
-
 def start(
     args: Args,
     inputs,
@@ -252,8 +241,6 @@ def start(
     the function that pushes each step's weights to the sampler (weight_pusher). Returns (pipe:
     None except on rank 0, push_weights, start_dir: rank 0's, to delete at the end)."""
     master = dist.get_rank() == 0
-    if not torch.cuda.is_available():  # the trainer shares the cores with vLLM from here on
-        share_cpu()
     start_dir = start_weights(args, run_dir, policy, inputs)
     weights = start_dir or inputs.path
     backend = transfer_backend(args, inputs.plan)

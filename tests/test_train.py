@@ -382,19 +382,6 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
         config.parse_args(["--resume", str(tmp_path)])
 
 
-def test_share_cpu_gives_the_trainer_half_the_cores():
-    """Once the vLLM engines start on CPU, the trainer takes half the cores this process may run
-    on, at least one (rollouts.share_cpu); the engines get the rest."""
-    import rollouts  # imports vLLM
-
-    threads = torch.get_num_threads()
-    try:
-        for cpus, want in (({0, 1, 2, 3, 4, 5}, 3), ({0, 1}, 1), ({7}, 1), ({0, 1, 2}, 1)):
-            assert rollouts.share_cpu(cpus) == want and torch.get_num_threads() == want, cpus
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_packing_only_where_attention_is_varlen():
     # config._attn_implementation (transformers 5.19): flash kernels read cu_seqlens off restarting
     # position ids; SDPA / eager / flex would run a packed row through a dense or compiled mask
