@@ -222,35 +222,6 @@ def _comparison(runs, fit_pts, c_min: float) -> str:
     return f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best"
 
 
-def main(args: Args):
-    """The CLI. Exits 2 on a usage error, found before any work (no path, a missing file, a missing
-    --out folder), 1 when a file cannot be read or fitted or a fit did not converge."""
-    paths = _checked_paths(args)
-    runs = []
-    fit_pts = []
-    notes = []
-    table = [COLUMNS]
-    for path, name in zip(paths, run_names(paths), strict=True):
-        run, pts, row, run_notes = _fit_run(path, name, args)
-        runs.append(run)
-        fit_pts.append(pts)
-        table.append(row)
-        notes += run_notes
-    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
-    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
-    if len(fit_pts) >= 2:
-        notes.insert(0, _comparison(runs, fit_pts, args.c_min))
-    plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)
-    print("\n".join(notes + [f"wrote {args.out}"]))
-    if any(not f.converged for *_, f in runs):
-        raise SystemExit("fit.py: a fit did not converge (see above): do not trust its parameters")
-
-
-def cli():
-    """`python fit.py ...`: fit.py's entry point calls this."""
-    main(tyro.cli(Args))
-
-
 def _fit_words(f: dict, whole: bool) -> str:
     """A fit of fit.json in words: A, trusted or why not (the whole run's also with its 95%
     intervals, B and C_mid); or why there is none."""
@@ -286,3 +257,32 @@ def summary(run_dir: str, out: dict) -> str:
             lines[-1] += f"; mean error {c['tail_mae']:.3f} on the {c['n_tail']} later evals"
     plot = " and fit.png" * os.path.exists(os.path.join(run_dir, "fit.png"))
     return "\n".join(lines + [f"every number in {os.path.join(run_dir, 'fit.json')}{plot}"])
+
+
+def main(args: Args):
+    """The CLI. Exits 2 on a usage error, found before any work (no path, a missing file, a missing
+    --out folder), 1 when a file cannot be read or fitted or a fit did not converge."""
+    paths = _checked_paths(args)
+    runs = []
+    fit_pts = []
+    notes = []
+    table = [COLUMNS]
+    for path, name in zip(paths, run_names(paths), strict=True):
+        run, pts, row, run_notes = _fit_run(path, name, args)
+        runs.append(run)
+        fit_pts.append(pts)
+        table.append(row)
+        notes += run_notes
+    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+    print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
+    if len(fit_pts) >= 2:
+        notes.insert(0, _comparison(runs, fit_pts, args.c_min))
+    plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)
+    print("\n".join(notes + [f"wrote {args.out}"]))
+    if any(not f.converged for *_, f in runs):
+        raise SystemExit("fit.py: a fit did not converge (see above): do not trust its parameters")
+
+
+def cli():
+    """`python fit.py ...`: fit.py's entry point calls this."""
+    main(tyro.cli(Args))

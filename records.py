@@ -57,12 +57,12 @@ def curve_fit(history: list[dict], steps: int) -> dict:
 
 
 def whole_run_fit(C, R, R0: float) -> dict:
-    """Eq. 1 on the whole run, as bench/seeds.py checks one: pass rate R against C (gpu_hours, the
-    compute clock; the evals after step 0), R0 = the step-0 eval. Returns the fit's A, A_interval
-    (A's 95% profile interval), B, C_mid, converged, message, and A_bootstrap, the pairs bootstrap's
-    95% interval for A (fit.bootstrap's defaults; None when the fit did not converge or under 2
-    refits did); or {"error": ...} when fit_sigmoid raises (ValueError: under 4 evals, a flat
-    curve)."""
+    """Eq. 1 on the whole run, as bench/seeds.py checks one: pass rate R against C (1-D arrays;
+    C in gpu_hours, the compute clock; the evals after step 0), R0 = the step-0 eval. Returns the
+    fit's A, A_interval (A's 95% profile interval), B, C_mid, converged, message, and A_bootstrap,
+    the pairs bootstrap's 95% interval for A (fit.bootstrap's defaults; None when the fit did not
+    converge or under 2 refits did); or {"error": ...} when fit_sigmoid raises (ValueError: under 4
+    evals, a flat curve)."""
     try:
         f = fit.fit_sigmoid(C, R, R0)
     except (ValueError, RuntimeError) as e:

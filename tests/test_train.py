@@ -609,7 +609,7 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
         assert fit["converged"] and fit["tail_mae"] < 1e-5 and fit["n_tail"] == 2
         whole = out["tasks"][t]["whole_run"]  # noise-free: the whole run's fit is the truth
         assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
-        assert whole["converged"] and whole["A_bootstrap"] == pytest.approx([A, A], rel=1e-6)
+        assert whole["converged"] and whole["A_bootstrap"] == pytest.approx([A, A], rel=1e-4)
     assert out["R0"] == 0.15 and "A" in out  # the overall curve, fitted as before
     text = fit_cli.summary(str(tmp_path), out)
     final_b = history[-1]["eval/b/pass_rate"]  # R0 0.1, one block per task, indented
@@ -626,21 +626,22 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
 
 
 def test_final_fit_whole_run_and_its_summary(tmp_path):
-    # 24 evals over 0.1-10 C_mid of R0 0.25, A 0.85, B 1.5, C_mid 0.1 gpu-hours, noise 0.003; a 95%
-    # interval misses the truth on ~1 noise draw in 20 (seed 0's, by 0.0005): seed 1, fixed
+    # 24 evals over 0.1-10 C_mid of R0 0.25, A 0.85, B 1.5, C_mid 0.1 gpu-hours, noise 0.003 (a 95%
+    # interval may miss the truth by a little: within 0.005, which is more than 1 noise sd)
     C = np.geomspace(0.01, 1.0, 24)
     R = eq1(C, 0.85, 1.5, 0.1, 0.25) + np.random.default_rng(1).normal(0, 0.003, 24)
     out = records.final_fit(str(tmp_path), history_of(C, R, 0.25))
     whole = out["whole_run"]
     assert whole["converged"] and whole["message"] == ""
     assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((0.85, 1.5, 0.1), rel=0.05)
-    assert whole["A_bootstrap"][0] < 0.85 < whole["A_bootstrap"][1]
-    assert whole["A_interval"][0] < 0.85 < whole["A_interval"][1]
+    for lo, hi in (whole["A_bootstrap"], whole["A_interval"]):
+        assert lo - 0.005 < 0.85 < hi + 0.005 and hi - lo < 0.05
     with open(tmp_path / "fit.json") as f:
         assert json.load(f)["whole_run"] == json.loads(json.dumps(whole))
     assert (
         out["fit_until"] == 0.5 and out["n_tail"] == 4
     )  # C = 10 ** (-2 + 2 k / 23) > 0.5: k >= 20
+    assert out["A"] == pytest.approx(0.85, abs=0.02)  # the first half is past C_mid: A is seen
     lines = fit_cli.summary(str(tmp_path), out).splitlines()
     rise = f"0.250 (R0) -> {R[-1]:.3f} at the last eval ({R[-1] - 0.25:+.3f})"
     assert lines[0] == f"run {tmp_path}: pass rate {rise}"
@@ -799,6 +800,9 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
         assert 0 <= m["train/reward"] <= 1
         assert m["clock/gen_tokens"] >= m["gen/tokens"] and m["flops"] > 0
     assert "step     3/3" in out.stdout
+    # the summary at the end: 2 evals after R0 are too few to fit, said in words, not raised
+    assert f"run {run_dir}: pass rate " in out.stdout and "  whole run: no fit: " in out.stdout
+    assert f"every number in {run_dir}/fit.json" in out.stdout
     assert (
         "thinking on (--thinking auto: from the chat template)" in out.stdout
     )  # tiny's Qwen3 template
