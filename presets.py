@@ -52,10 +52,12 @@ PRESETS = {
     #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
     #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
     #   though a second run of it (a72f38d) missed: one eval fell to 0.723 at the end of its half.
-    # - 175 steps, not 185: a fresh clone's run of 185 took 917 s, past the 15 minutes. The 5 runs
-    #   of 185 cut at step 174 all met every bar (at 185: 4 of 5), and 10 fewer steps and
-    #   one fewer eval save ~40 s. (Tried, no saving: 1 trainer thread, 565 s of training against
-    #   545; the eval engine at nice 0, which only moves the evals from the end into training.)
+    # - 156 steps, not 185: on a slower day (steps and evals ~15-20% slower) runs of 175 took
+    #   914-953 s, past the 15 minutes; a fresh clone's run of 185 had taken 917 s. The 8 runs of
+    #   175-185 cut at step 156 met every bar but one (a bootstrap that did not converge on the
+    #   run with a dip; at full length 6 of 8), and 156 = 26 evals of 6, the last at the last step.
+    #   (Tried, no saving: 1 trainer thread, 565 s of training against 545; the eval engine at
+    #   nice 0, which only moves the evals from the end into training.)
     # - lr 2e-4 with groups of 16: on seed 1 (16 prompts, 140 steps) the sampled pass rate rose
     #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
     #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
@@ -67,7 +69,7 @@ PRESETS = {
     #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
     # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
     #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - an eval of 200 held-out prompts x 4 every 6 steps: 31 points, 15 of them (R0 included) in
+    # - an eval of 200 held-out prompts x 4 every 6 steps: 27 points, 14 of them (R0 included) in
     #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
     #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
     #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11
@@ -80,7 +82,7 @@ PRESETS = {
         lr=2e-4,
         prompts_per_step=12,
         group_size=16,
-        steps=175,
+        steps=156,
         eval_every=6,
         eval_size=200,
         eval_n=4,
