@@ -4,8 +4,8 @@
 and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
 (R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
 Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
-prints and draws. records.final_fit draws fit.png with `plot`; train.py ends a run by printing
-`summary`, its fits in words.
+prints and draws. records.final_fit fits the whole run with `whole_run_fit` and draws fit.png with
+`plot`; train.py ends a run by printing `summary`, its fits in words.
 """
 
 import json
@@ -220,6 +220,22 @@ def _comparison(runs, fit_pts, c_min: float) -> str:
         Bs = (f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
         shared = f" (B at shared A: {', '.join(Bs)})"
     return f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best"
+
+
+def whole_run_fit(C, R, R0: float, n_boot: int = 200) -> dict:
+    """Eq. 1 on the whole run (records.final_fit's "whole_run", bench/seeds.py's check): pass rate
+    R against C (1-D arrays; C in gpu_hours, the compute clock; the evals after step 0), R0 = the
+    step-0 eval. Returns the fit's A, A_interval (A's 95% profile interval), B, C_mid, converged,
+    message, and A_bootstrap, the pairs bootstrap's 95% interval for A (fit.bootstrap, n_boot
+    refits; None when the fit did not converge or under 2 refits did); or {"error": ...} when
+    fit_sigmoid raises (ValueError: under 4 evals, a flat curve)."""
+    try:
+        f = fit_sigmoid(C, R, R0)
+    except (ValueError, RuntimeError) as e:
+        return {"error": str(e)}
+    boot = bootstrap(f, C, R, n_boot=n_boot).A
+    out = {k: getattr(f, k) for k in ("A", "A_interval", "B", "C_mid", "converged", "message")}
+    return out | {"A_bootstrap": list(boot) if np.isfinite(boot).all() else None}
 
 
 def _fit_words(f: dict, whole: bool) -> str:

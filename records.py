@@ -27,6 +27,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import fit
+import fit_cli  # the whole-run fit and the plot live with fit.py's command line
 import pipeline
 from config import Args
 from launch import HEARTBEAT_S, rank0_call
@@ -56,26 +57,11 @@ def curve_fit(history: list[dict], steps: int) -> dict:
     }
 
 
-def whole_run_fit(C, R, R0: float) -> dict:
-    """Eq. 1 on the whole run, as bench/seeds.py checks one: pass rate R against C (1-D arrays;
-    C in gpu_hours, the compute clock; the evals after step 0), R0 = the step-0 eval. Returns the
-    fit's A, A_interval (A's 95% profile interval), B, C_mid, converged, message, and A_bootstrap,
-    the pairs bootstrap's 95% interval for A (fit.bootstrap's defaults; None when the fit did not
-    converge or under 2 refits did); or {"error": ...} when fit_sigmoid raises (ValueError: under 4
-    evals, a flat curve)."""
-    try:
-        f = fit.fit_sigmoid(C, R, R0)
-    except (ValueError, RuntimeError) as e:
-        return {"error": str(e)}
-    boot = fit.bootstrap(f, C, R).A
-    out = {k: getattr(f, k) for k in ("A", "A_interval", "B", "C_mid", "converged", "message")}
-    return out | {"A_bootstrap": list(boot) if np.isfinite(boot).all() else None}
-
-
 def final_fit(run_dir: str, history: list[dict]) -> dict:
     """The paper's protocol (§5) on this run: fit on the first half of its compute, predict the
     second half (mean absolute error on the held-out evals); plot it like Figure 1 (fit.png) and
-    save the numbers (fit.json). Beside it, "whole_run": the fit on all the evals (whole_run_fit).
+    save the numbers (fit.json). Beside it, "whole_run": the fit on all the evals
+    (fit_cli.whole_run_fit).
     A run of several tasks (history with eval/<task>/pass_rate) also gets those fits per task,
     under "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those
     curves instead of the overall one. A fit that fails holds its "error" and is not drawn.
@@ -94,7 +80,7 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         R = np.array([h[key] for h in history[1:]])
         R0 = history[0][key]
         out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
-        out["whole_run"] = whole_run_fit(C, R, R0)
+        out["whole_run"] = fit_cli.whole_run_fit(C, R, R0)
         try:
             f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
         except (ValueError, RuntimeError) as e:
@@ -118,8 +104,6 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         curves.clear()  # one curve per task on the plot
         out["tasks"] = {t: one(t, f"eval/{t}/pass_rate") for t in tasks}
     if curves:
-        import fit_cli  # the plot lives with fit.py's command line
-
         ylabel = "eval/<task>/pass_rate" if tasks else "eval/pass_rate"
         path = os.path.join(run_dir, "fit.png")
         fit_cli.plot(curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_until=half)

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # repo root, not bench/ (bench/fit.py would shadow fit.py)
 import fit  # noqa: E402
 from bench import recipes  # noqa: E402
-from fit_cli import load_metrics  # noqa: E402
+from fit_cli import load_metrics, whole_run_fit  # noqa: E402
 
 BARS = dict(rise=0.30, A_width=0.10, tail_mae=0.03, dA=fit.A_CLEAR)  # issue 12's acceptance
 
@@ -48,29 +48,31 @@ def check(run_dir: str, n_boot: int) -> dict:
     the run has fewer than 5 evals."""
     C, R, _ = load_metrics(os.path.join(run_dir, "metrics.jsonl"))
     R0, C, R = float(R[0]), C[1:], R[1:]
-    whole = fit.fit_sigmoid(C, R, R0)
-    boot = fit.bootstrap(whole, C, R)
+    whole = whole_run_fit(C, R, R0, n_boot)  # the fit train.py's summary prints
+    if "error" in whole:
+        raise ValueError(whole["error"])
+    boot = whole["A_bootstrap"] or (np.nan, np.nan)  # None: no interval, the A bar fails
     half, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=C[-1] / 2)
     out = dict(
         R0=R0,
         final=float(R[-1]),
         rise=float(R[-1]) - R0,
-        A=whole.A,
-        B=whole.B,
-        C_mid=whole.C_mid,
-        converged=whole.converged,
-        message=whole.message,
-        A_profile=whole.A_interval,
-        A_boot=boot.A,
+        A=whole["A"],
+        B=whole["B"],
+        C_mid=whole["C_mid"],
+        converged=whole["converged"],
+        message=whole["message"],
+        A_profile=whole["A_interval"],
+        A_boot=boot,
         A_half=half.A,
         tail_mae=mae,
         n_tail=n_tail,
-        dA=abs(half.A - whole.A),
+        dA=abs(half.A - whole["A"]),
     )
-    width = boot.A[1] - boot.A[0]
+    width = boot[1] - boot[0]
     out["ok"] = dict(
         rise=out["rise"] >= BARS["rise"],
-        A=whole.converged and width <= BARS["A_width"],  # NaN width (no bootstrap) fails
+        A=whole["converged"] and width <= BARS["A_width"],  # NaN width (no bootstrap) fails
         half=mae <= BARS["tail_mae"] and out["dA"] <= BARS["dA"],
     )
     return out | dict(curve=(C, R), half_fit=half)
