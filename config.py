@@ -1,5 +1,5 @@
-"""What a run is: the command line resolved into `Args` (every flag: flags.py, parsed by tyro) over
-the `--model` presets and the `--recipe` bundles of the paper (presets.py), and the checks every
+"""What a run is: the command line resolved into `Args` (every flag: py, parsed by tyro) over
+the `--model` presets and the `--recipe` bundles of the paper (py), and the checks every
 flag passes before any work (validate).
 
     python train.py --help                   # every flag with its default and docstring
@@ -8,8 +8,8 @@ flag passes before any work (validate).
 
 Precedence: the ScaleRL defaults (Args), then the --model preset, then the --recipe, then (with
 --resume) the run's saved args; a flag given on the command line wins over all of them. The run
-directory's args.json records the resolved values. Adding an ablation is a field in flags.py, its
-use in train.py, and (optionally) a RECIPES row in presets.py.
+directory's args.json records the resolved values. Adding an ablation is a field in py, its
+use in train.py, and (optionally) a RECIPES row in py.
 """
 
 import argparse
@@ -18,13 +18,338 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
+from typing import Literal
 
 import tyro
 
 # light (no torch, vLLM or transformers): `--help` and flag errors answer before they load
-import data
-from flags import Args
-from presets import PRESETS, RECIPES
+from tasks import data
+
+# from-imports: inside Args the name `data` is a field, not the module
+from tasks.arith import ARITH_THINK_BUDGET
+from tasks.data import PHRASE  # the interruption phrase (paper v1 §4)
+
+
+@dataclass
+class Args:
+    """ScaleRL training (arXiv 2510.13786). Defaults: the recipe of §4 at the scale of --model's
+    preset."""
+
+    # --- run, seed, logging
+    run_dir: str | None = None
+    """run directory (default: runs/<model>-<recipe>-<date>); holds metrics.jsonl, samples.jsonl,
+    checkpoints"""
+    resume: str | None = None
+    """continue the run in this directory from its last checkpoint (from step 0 if it has none
+    yet); its saved args are the defaults"""
+    seed: int = 0
+    """prompt order, held-out split, initialization, sampler seed"""
+    steps: int = 80
+    """optimizer steps in all"""
+    eval_every: int = 8
+    """held-out evaluation (and a sigmoid fit) every this many steps; also at step 0 and at the
+    end"""
+    eval_size: int = 96
+    """held-out prompts of each task (paper: 1,000), removed from training"""
+    eval_n: int = 4
+    """samples per held-out prompt (paper: 16); the pass rate is their mean"""
+    save_every: int = 50
+    """checkpoint every this many steps (and on Ctrl-C); 0: only at the end"""
+    log_samples: int = 4
+    """completions per step written to samples.jsonl"""
+    wandb_project: str | None = None
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    dist_timeout: float = 1800.0
+    """seconds a rank may wait in one collective before torch.distributed calls it hung; rank 0's
+    long waits (vLLM starting, rollouts, evals) keep the other ranks polling every second"""
+    # --- model and devices
+    model: str = "tiny"
+    """preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), Hugging Face id or
+    local dir"""
+    path: str | None = None
+    """weights to start from (default: the preset's; `tiny` builds its own)"""
+    generator_gpus: list[int] | None = None
+    """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES
+    order); default: every visible GPU of rank 0's node that no trainer rank uses"""
+    eval_gpus: int | None = None
+    """generator GPUs (the last ones) for the eval engine, which evaluates while training goes on;
+    0: it shares the generator's GPU(s); default: tensor_parallel_size GPUs when the generator has
+    at least twice that, else 0"""
+    share_gpu: bool = False
+    """let vLLM share trainer GPUs (default: rank 0's), small models only; weights go via disk"""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism; the generator GPUs form dp engines of tp GPUs each"""
+    gpu_memory_utilization: float | None = None
+    """vLLM's share of each generator GPU (default: 0.9 on its own GPUs, 0.5 on a shared one)"""
+    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"
+    """how weights reach vLLM: auto = NCCL when vLLM has GPUs of its own (CUDA), else disk"""
+    kv_cache_gib: float | None = None
+    """vLLM KV cache size on CPU"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer's activations in backward (the GPU presets from 1.7b up)"""
+    gen_dtype: str = "auto"
+    """vLLM weights dtype ("auto": bf16 on GPU)"""
+    max_model_len: int = 512
+    """vLLM context: prompt + thinking + phrase + answer must fit"""
+    # --- data
+    data: str = "arith"
+    """dataset: preset (arith, arith-hard, gsm8k, polaris, math500; code: humaneval, deepcoder),
+    a mixture a+b of tasks a and b (e.g. polaris+deepcoder), local .jsonl/.json/.parquet, or a hub
+    id"""
+    task_weights: list[str] | None = None
+    """a mixture's sampling: TASK=WEIGHT for each task (e.g. polaris=1 deepcoder=1); a group's
+    prompt is of task t with probability w_t / sum(w); default: each task's number of prompts"""
+    unsafe_no_sandbox: bool = False
+    """grade code WITHOUT the bubblewrap sandbox (no user namespaces here): it sees your files"""
+    question_key: str | None = None
+    """column holding the question (default: question / problem / prompt)"""
+    answer_key: str | None = None
+    """column holding the gold answer (default: answer / solution / final_answer)"""
+    max_prompt_len: int = 128
+    """prompts longer than this after templating are skipped (counted)"""
+    # --- generation
+    prompts_per_step: int = 16
+    """P: prompt groups per optimizer step (paper: 48)"""
+    group_size: int = 8
+    """G: completions per prompt (paper: 16)"""
+    temperature: float = 1.0
+    """sampling temperature of training and evaluation; the trainer divides logits by it too"""
+    thinking: Literal["auto", "on", "off"] = "auto"
+    """<think>...</think> before the answer; auto: iff the chat template renders a think block"""
+    think_budget: tuple[int, int] = ARITH_THINK_BUDGET
+    """forced interruption after L ~ U[lo, hi] thinking tokens (paper A.10: 10k-12k)"""
+    answer_budget: int = 16
+    """tokens for the answer after thinking (paper: 2k)"""
+    interruptions: bool = True
+    """forced interruptions (§2); off: one phase of think_budget[1] + answer_budget tokens
+    (loo-lp)"""
+    phrase: str = PHRASE
+    """appended when the thinking budget runs out (paper §4)"""
+    gen_timeout: float | None = None
+    """seconds a group may take to be sampled and scored before the run stops as hung (default:
+    scaled from the budgets and the sequences in flight, pipeline.group_timeout)"""
+    async_mode: Literal["pipeline", "ppo"] = "pipeline"
+    """PipelineRL-k with in-flight updates (§3.1) or PPO-off-policy-k (k batches per weight
+    version)"""
+    max_lag: int = 8
+    """k: the most trainer steps a batch's oldest token may lag (paper: 8); 0 = synchronous
+    on-policy"""
+    # --- filters
+    zero_var_filter: bool = True
+    """drop groups whose rewards are all equal from the loss (§3.2 "effective batch")"""
+    prompt_sampling: Literal["no_positive", "uniform"] = "no_positive"
+    """No-Positive-Resampling (retire prompts with pass rate >= npr_threshold) or uniform epochs"""
+    npr_threshold: float = 0.9
+    """pass rate at which No-Positive-Resampling retires a prompt (paper: 0.9)"""
+    length_penalty: bool = False
+    """DAPO overlong penalty on correct rollouts (A.10 Eq. 9; loo-lp)"""
+    # --- loss
+    recipe: str = "scalerl"
+    """flag bundle: scalerl, deepseek-grpo, qwen2.5-dapo, magistral, minimax, loo-plan, loo-lp,
+    loo-batch, loo-8op, loo-fp32, loo-savg, loo-dapo, loo-uniform"""
+    loss: Literal["cispo", "gspo", "dapo", "grpo"] = "cispo"
+    """policy loss (§3.2)"""
+    agg: Literal["prompt", "sample", "token"] = "prompt"
+    """loss aggregation (§3.2, A.9)"""
+    adv_norm: Literal["batch", "prompt", "none"] = "batch"
+    """advantage normalization (§3.2, A.9)"""
+    cispo_cap: float = 4.0
+    """CISPO truncation of the IS ratio (paper: one of 4, 5, 8)"""
+    eps_low: float = 0.2
+    """DAPO / GRPO lower clip"""
+    eps_high: float = 0.28
+    """DAPO / GRPO upper clip"""
+    fp32_head: bool = True
+    """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on
+    CPU)"""
+    # --- optimizer
+    lr: float = 1e-4
+    """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""
+    warmup_steps: int = 5
+    """linear LR warmup (paper: 100)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (paper A.3: 0.01)"""
+    adam_eps: float = 1e-15
+    """paper A.3: 1e-15, against epsilon underflow"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (the paper does not say)"""
+    max_tokens_per_microbatch: int = 32768
+    """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA,
+    eager), or the sum of the lengths of a packed row (flash attention); a longer sequence runs
+    alone. 0: micro-batches of --micro-batch-size sequences padded to the batch's longest (the
+    layout before issue 11)"""
+    micro_batch_size: int = 128
+    """at most this many sequences per forward/backward on each rank"""
+    batch_scale: float = 1.0
+    """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
+
+
+# --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets
+# the "hf" row on a machine with CUDA, the "hf-cpu" row (printed at start) on one without.
+# Budgets in tokens; think_budget is the interruption range (paper A.10: U[10k, 12k] then a 2k
+# answer).
+PAPER_GEN = dict(
+    think_budget=(10240, 12288),
+    answer_budget=2048,
+    max_prompt_len=2048,
+    max_model_len=16384 + 128,
+    prompts_per_step=48,
+    group_size=16,
+    eval_size=1000,
+    eval_n=16,
+    eval_every=100,
+    save_every=100,
+    warmup_steps=100,
+    steps=5000,
+    # one micro-batch holds the longest sequence (max_model_len); short rollouts share one
+    max_tokens_per_microbatch=16384 + 128,
+    # one vLLM engine per generator GPU (dp = their number): up to 8B the bf16 weights fit one GPU
+    # with room for KV cache, and data parallelism adds decoding throughput without tensor
+    # parallelism's all-reduces
+    tensor_parallel_size=1,
+    data="polaris",
+    temperature=1.0,
+)
+PRESETS = {
+    # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
+    # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
+    # runs are in the README). Measured with tiny.py's warm start of bd904ed:
+    # - 12 prompts x 16 a step, 185 steps: a step costs ~3.2 s instead of ~3.9 with 16 prompts, so
+    #   185 steps take about as long as 140 did (774-854 s a run, against 788-842 s), and the fits'
+    #   C_mid fell from 12-13% of the compute to 10-11%.
+    #   With 16 prompts and 140 steps (1c38a8f) seed 2 was still climbing at half the compute and
+    #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
+    #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
+    #   though a second run of it (a72f38d) missed: one eval fell to 0.723 at the end of its half.
+    # - 156 steps, not 185: on a slower day (steps and evals ~15-20% slower) runs of 175 took
+    #   914-953 s, past the 15 minutes; a fresh clone's run of 185 had taken 917 s. The 8 runs of
+    #   175-185 cut at step 156 met every bar but one (a bootstrap that did not converge on the
+    #   run with a dip; at full length 6 of 8), and 156 = 26 evals of 6, the last at the last step.
+    #   (Tried, no saving: 1 trainer thread, 565 s of training against 545; the eval engine at
+    #   nice 0, which only moves the evals from the end into training.)
+    # - lr 2e-4 with groups of 16: on seed 1 (16 prompts, 140 steps) the sampled pass rate rose
+    #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
+    #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
+    #   (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell from 0.771 at step 60 to 0.580 at step
+    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 (16 prompts, 140 steps)
+    #   put one eval at 0.715 and missed the half-run bar by more (error 0.050, against 0.035).
+    # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
+    #   groups per step once most are all right, and those noisy steps swung the pass rate by
+    #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
+    # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
+    #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
+    # - an eval of 200 held-out prompts x 4 every 6 steps: 27 points, 14 of them (R0 included) in
+    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
+    #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
+    #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11
+    #   points and the policy's own swings (~0.02), no fit could tell A from one 0.05 higher.
+    # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
+    #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
+    #   in the middle of the fitted curve.
+    "tiny": dict(
+        max_lag=2,
+        lr=2e-4,
+        prompts_per_step=12,
+        group_size=16,
+        steps=156,
+        eval_every=6,
+        eval_size=200,
+        eval_n=4,
+        save_every=0,
+    ),
+    "smollm2-135m": dict(
+        path=None,
+        data="gsm8k",
+        think_budget=(1, 1),
+        answer_budget=256,
+        max_prompt_len=256,
+        max_model_len=640,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-6,
+        temperature=1.0,
+        steps=100,
+        eval_every=10,
+        eval_size=8,
+        eval_n=2,
+        save_every=50,
+        warmup_steps=10,
+        micro_batch_size=4,
+        kv_cache_gib=0.5,
+        gen_dtype="float32",
+    ),
+    # Activation checkpointing only where memory needs it. Estimated trainer memory at one
+    # 16,512-token micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32
+    # states sharded, bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b
+    # 116 / 18, 8b 155 / 34. Rule: off where it fits in 75% of an 80 GB trainer GPU (60 GiB; the
+    # default placement gives vLLM GPUs of its own): 0.6b off, 1.7b (at the edge), 4b and 8b on.
+    # With --share-gpu vLLM takes half of rank 0's GPU: pass --activation-checkpointing for 0.6b
+    # too. Not yet checked against a measured peak on a GPU.
+    "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, activation_checkpointing=False),
+    "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, activation_checkpointing=True),
+    "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
+    # paper A.3: lr 5e-7 (for 8B)
+    "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, activation_checkpointing=True),
+    "hf": dict(PAPER_GEN, path=None, lr=1e-6, activation_checkpointing=True),
+}
+# An unknown model without CUDA: the smollm2-135m row's sizes (minutes per step on a few cores, not
+# the paper-scale days of "hf"), with room for a thinking model's budget; the data stays the user's
+# --data, else gsm8k.
+PRESETS["hf-cpu"] = dict(
+    PRESETS["smollm2-135m"], think_budget=(192, 256), max_model_len=896, kv_cache_gib=1.0
+)
+# --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants
+# (Fig 7) as flag settings on top of ScaleRL. A flag given on the command line wins over the recipe.
+RECIPES = {
+    "scalerl": {},
+    "deepseek-grpo": dict(
+        loss="grpo",
+        eps_low=0.2,
+        eps_high=0.2,
+        agg="sample",
+        adv_norm="prompt",
+        async_mode="ppo",
+        zero_var_filter=False,
+        prompt_sampling="uniform",
+        fp32_head=False,
+    ),
+    "qwen2.5-dapo": dict(
+        loss="dapo",
+        eps_low=0.2,
+        eps_high=0.26,
+        agg="prompt",
+        adv_norm="prompt",
+        async_mode="ppo",
+        prompt_sampling="uniform",
+        fp32_head=False,
+        batch_scale=80 / 48,
+    ),
+    "magistral": dict(
+        loss="dapo",
+        eps_low=0.2,
+        eps_high=0.26,
+        agg="prompt",
+        adv_norm="prompt",
+        prompt_sampling="uniform",
+        fp32_head=False,
+    ),
+    "minimax": dict(
+        agg="prompt",
+        adv_norm="prompt",
+        async_mode="ppo",
+        prompt_sampling="uniform",
+        batch_scale=80 / 48,
+    ),
+    "loo-plan": dict(adv_norm="prompt"),
+    "loo-lp": dict(interruptions=False, length_penalty=True),
+    "loo-batch": dict(zero_var_filter=False),
+    "loo-8op": dict(async_mode="ppo"),
+    "loo-fp32": dict(fp32_head=False),
+    "loo-savg": dict(agg="sample"),
+    "loo-dapo": dict(loss="dapo"),
+    "loo-uniform": dict(prompt_sampling="uniform"),
+}
 
 
 class BadInput(Exception):

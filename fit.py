@@ -3,7 +3,7 @@
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) = R0 + (A - R0) expit(B (ln C - ln C_mid))  (Eq. 1)
 
 A: ceiling (asymptotic pass rate), B: efficiency exponent, C_mid: compute at half the gain, R0: pass
-rate before RL. Pure: arrays in, numbers out. `python fit.py RUN_DIR ...` runs fit_cli.py.
+rate before RL. Pure: arrays in, numbers out. `python fit.py RUN_DIR ...` runs fit_report.py.
 
 Where this departs from the paper, and why:
 1. method="fast" (default): least squares (R0 <= A <= 1, B >= 0) from every basin of a coarse scan,
@@ -12,7 +12,7 @@ Where this departs from the paper, and why:
    The grid's per-point curve_fit uses it too (the same function of B, the same start B = 1).
 3. The grid skips points where curve_fit fails, gives B <= 0 (PAPER.md 8.1: B > 0), or hands back
    its start with an infinite covariance; an optimum on the grid's edge is flagged not converged.
-4. R0 is held fixed (PAPER.md 8.3, [inferred]); fit_cli.py takes it from the step-0 eval.
+4. R0 is held fixed (PAPER.md 8.3, [inferred]); fit_report.py takes it from the step-0 eval.
 5. A fit must identify its ceiling (ours, issue 12): see _identify; a curve's left tail fits any A.
 6. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4).
 """
@@ -394,7 +394,7 @@ def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Method = "fast"):
     return fit, float(np.abs(fit.predict(C[tail]) - R[tail]).mean()), int(tail.sum())
 
 
-if __name__ == "__main__":  # the command line lives in fit_cli.py: files, a table, a plot
-    import fit_cli
+if __name__ == "__main__":  # the command line lives in fit_report.py: files, a table, a plot
+    from infra import fit_report
 
-    fit_cli.cli()
+    fit_report.cli()

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 from vllm import SamplingParams, TokensPrompt
 
-import data
-from data import THINK_CLOSE
-from engine import Engine, SyncClient, versions_from_spans
+from infra.engine import Engine, SyncClient, versions_from_spans
+from tasks import data
+from tasks.data import THINK_CLOSE
 
 
 @dataclass

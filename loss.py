@@ -5,7 +5,7 @@ Implements arXiv 2510.13786 §3.2 and §4 (digest: PAPER.md sections 1-3 and 5):
 (§3.2, Fig 5b), group-centred advantages with batch / prompt / no normalization (A.9), prompt /
 sample / token loss aggregation (A.9, Eq. 8) and the four losses (Eq. 4, A.2, A.17). Pure: tensors
 in, tensors out. One training step in train.py calls group_advantages and aggregation_weights once
-on the whole batch, then per micro-batch token_logprobs (inside trainer.Policy) -> policy_loss ->
+on the whole batch, then per micro-batch token_logprobs (inside train.Policy) -> policy_loss ->
 backward. Exercised by `python -m pytest tests/test_loss.py` and `python bench/logprobs.py`.
 
 Where this departs from the paper, and why:
@@ -153,7 +153,7 @@ def token_logprobs(
     Raises ValueError on bad shapes, temperature <= 0 or chunk_size < 1; TypeError on float or bool
     targets, or another head_dtype. torch raises by itself on mixed devices and, on the CPU, on ids
     outside [0, V) (RuntimeError); on an accelerator such an id is a device-side assert, so
-    trainer.train_step checks the whole batch's ids once per step, on the CPU.
+    train.train_step checks the whole batch's ids once per step, on the CPU.
     """
     # each check stops what would pass silently: another head precision, float ids truncated by
     # .long(), NaN or mirrored logits (temperature <= 0), an unwritten logp (no chunk to run)

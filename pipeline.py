@@ -3,7 +3,7 @@
 PipelineRL-k and its baseline PPO-off-policy-k (arXiv 2510.13786 §3.1, A.11; PAPER.md §6). A
 producer thread runs an asyncio loop with the `generate.Sampler` (producer.py): it draws prompts
 from the `filters.PromptPool`, samples groups of G, scores them in a thread with their kind's
-reward (`reward.math_rewards`, `code_reward.code_rewards`) and queues them; the trainer takes
+reward (`math_reward.math_rewards`, `code_reward.code_rewards`) and queues them; the trainer takes
 batches of P groups and publishes weights (loaded in flight). The rules (may a group start, may
 weights be released, may a group be trained on) are pure functions in offpolicy.py. Held-out
 evaluation runs on an engine of its own, in a thread of its own (evals.py): an eval is a snapshot
@@ -50,12 +50,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import generate
-import reward
-import watchdog
-from evals import Evals, check_evaluator
+from infra import watchdog
+from infra.evals import Evals, check_evaluator
+from infra.weight_dirs import VERSIONS_ALIVE, weights_parent, weights_root
 from offpolicy import Batch, accept, batch_metrics, check_settings, may_release
 from producer import Producer, check_sources
-from weight_dirs import VERSIONS_ALIVE, weights_parent, weights_root
+from tasks import math_reward
 
 # seconds close() takes at most in all (groups cancelled, engine stopped, thread joined)
 CLOSE_TIMEOUT = 30.0
@@ -97,8 +97,8 @@ class Pipeline(Producer, Evals):
     k = max_lag >= 0; "ppo": PPO-off-policy-k, k = max_lag >= 1 batches per weight version.
     prompts_per_step: P, the groups of a batch. max_inflight: groups generated at once (default
     2P). reward_fn(responses, golds, thinking, timeout) -> a list of floats, as
-    `reward.math_rewards`, or (floats, reasons), as `code_reward.code_rewards`; or a dict kind ->
-    such a function, picked by each prompt's `kind` (data.Prompt.kind; default "math").
+    `math_reward.math_rewards`, or (floats, reasons), as `code_reward.code_rewards`; or a dict
+    kind -> such a function, picked by each prompt's `kind` (data.Prompt.kind; default "math").
     gen_timeout: seconds to sample and score one group before the pipeline fails; an eval fails
     after so long without one of its requests finishing, or a load of its weights. version:
     trainer version of the start weights (the sampler labels them with it). weights_bytes: one
@@ -128,7 +128,7 @@ class Pipeline(Producer, Evals):
         max_inflight: int | None = None,
         sampler_kwargs: dict | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
-        reward_fn=reward.math_rewards,
+        reward_fn=math_reward.math_rewards,
         reward_timeout: float = 5.0,
         gen_timeout: float = 3600.0,
         version: int = 0,
@@ -334,7 +334,8 @@ class Pipeline(Producer, Evals):
                 ex.shutdown(cancel_futures=True)
 
         waiter = threading.Thread(target=shutdown_executors, daemon=True)
-        waiter.start()  # running reward calls hold workers that reward.close() would leave alive
+        # running reward calls hold workers that math_reward.close() would leave alive
+        waiter.start()
         waiter.join(left())
         eval_closed = []  # [True] once nothing of the eval engine runs
         eval_closer = threading.Thread(
@@ -343,7 +344,7 @@ class Pipeline(Producer, Evals):
         eval_closer.start()  # beside the training engine's shutdown: each may take seconds
         self._close_engine(left)
         eval_closer.join(left())
-        reward.close()
+        math_reward.close()
         shutil.rmtree(self._root, ignore_errors=True)
         if self._watchdog is not None and eval_closed == [True]:
             watchdog.stop(self._watchdog)

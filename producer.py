@@ -25,7 +25,7 @@ async def score(
     reward_fn, prompt, texts: list[str], executor, timeout: float
 ) -> tuple[list[float], list[str] | None]:
     """(rewards, reasons or None) of `texts`, completions of `prompt`, from `reward_fn` (a function
-    as `reward.math_rewards`, returning floats, or as `code_reward.code_rewards`, returning
+    as `math_reward.math_rewards`, returning floats, or as `code_reward.code_rewards`, returning
     (floats, reasons); or a dict kind -> such a function, picked by the prompt's kind,
     data.Prompt.kind) run in `executor` with `timeout` s per completion. Raises ValueError when no
     function grades the prompt's kind or the function returns the wrong number of values."""

@@ -18,9 +18,9 @@ fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps Ad
 new weights to the sampler (version = step). The compute clock advances every step. Every
 `eval_every` steps a snapshot of the new weights goes to the eval engine, whose held-out pass rate
 is logged (with the live sigmoid fit of the curve so far) when it finishes; a checkpoint every
-`save_every`. Flags, presets and recipes: config.py, flags.py, presets.py; inputs: loading.py;
-process group, placement, run directory: launch.py; the policy and its optimizer step: trainer.py;
-the vLLM side: rollouts.py; logs, evals and checkpoints: records.py and checkpoint.py.
+`save_every`. Flags, presets and recipes: config.py, config.py, config.py; inputs: loading.py;
+process group, placement, run directory: launch.py; the policy and its optimizer step: py;
+the vLLM side: generator.py; logs, evals and checkpoints: records.py and checkpoint.py.
 
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (arith.py `arith`) with
@@ -44,6 +44,7 @@ if __name__ == "__main__":
     ARGS = config.cli()
 
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -51,16 +52,371 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import checkpoint
 import filters
-import fit_cli
-import launch
-import loading
-import reward
-import trainer
+import loss
 from config import Args, BadInput
-from launch import rank0_call
+from infra import checkpoint, fit_report, launch, loading
+from infra.launch import rank0_call
+from tasks import math_reward
+
+
+class Policy(torch.nn.Module):
+    """The causal LM as the loss sees it: forward returns the log-probs of chosen tokens, (N,)
+    float32, the head in fp32 (§3.2; from bf16 operands at tensor-core speed under FSDP2 mixed
+    precision on GPU) or, with fp32_head=False, in the model's compute dtype. The head runs inside
+    this module's forward, so FSDP2 gathers and reduces its weight like any other."""
+
+    def __init__(self, lm, fp32_head: bool):
+        super().__init__()
+        self.lm, self.fp32_head = lm, fp32_head
+
+    def forward(self, input_ids, attention_mask, position_ids, pred, targets, temperature: float):
+        """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
+        padded: causal attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several
+        sequences with position_ids (1, C) restarting at 0 for each and no mask. pred (N,) long:
+        flat indices into the R * C positions whose hidden state predicts targets (N,) long. Returns
+        logp (N,) float32."""
+        decoder = self.lm.get_decoder()
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (R, C, H)
+        hidden = hidden.flatten(0, 1).index_select(0, pred)  # (N, H): only predicting positions
+        weight = self.lm.get_output_embeddings().weight  # (V, H)
+        head_dtype = torch.float32 if self.fp32_head else hidden.dtype
+        return loss.token_logprobs(hidden, weight, targets, temperature, head_dtype=head_dtype)
+
+
+def shard(policy: Policy, device) -> None:
+    """FSDP2 as in torchtitan: `fully_shard` each decoder layer, then the root; bf16 compute with
+    fp32 gradient reduction on GPU, fp32 throughout on CPU. Gradients are summed over ranks, not
+    averaged (FSDP2's default): each rank's loss is its share of the full-batch loss."""
+    kw = {}
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = mp
+    for module in [*policy.lm.get_decoder().layers, policy]:  # the root last
+        fully_shard(module, **kw)
+        # sum over ranks: divide factor 1, reduced with a plain SUM (without force_sum FSDP2 uses
+        # PREMUL_SUM(1 / factor), which gloo does not have; torch 2.13, tests/dist_step.py)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def build(lm, args: Args, device) -> tuple[Policy, torch.optim.Optimizer]:
+    """The policy to train, from the fp32 master weights `lm`: activation checkpointing when asked,
+    Policy (its LM head in fp32 with --fp32-head), FSDP2 (shard), and its AdamW. Returns (policy,
+    optimizer)."""
+    if args.activation_checkpointing:  # before fully_shard, as torchtitan applies it
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # train mode: HF checkpoints layers only while training; the model has no dropout
+    policy = Policy(lm, args.fp32_head).train()
+    # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and
+    # keeps only its shard (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model moved
+    # to GPU 0 first would stay cached there (~30 GiB for 8B)
+    shard(policy, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the largest unit's unsharded transient (the embedding and head)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
+    )
+    return policy, optimizer
+
+
+def collate(groups, pad_id: int) -> dict:
+    """Pad a batch of groups into the trainer's tensors (rank 0; broadcast to the others),
+    right-padded with `pad_id` (masked): input_ids, attention_mask (long), mask (bool: the policy
+    tokens of each completion) and old_logp (float32: the sampler's behaviour log-probs) are (S, T);
+    rewards (float64) and group_ids (long: the group's place in `groups`) are (S,)."""
+    comps = [
+        (i, c, r)
+        for i, g in enumerate(groups)
+        for c, r in zip(g.completions, g.rewards, strict=True)
+    ]
+    S = len(comps)
+    T = max((len(c.prompt_ids) + len(c.completion_ids) for _, c, _ in comps), default=1)
+    input_ids = torch.full((S, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(S, T, dtype=torch.long)
+    mask = torch.zeros(S, T, dtype=torch.bool)
+    old_logp = torch.zeros(S, T, dtype=torch.float32)
+    for s, (_, c, _) in enumerate(comps):
+        p, n = len(c.prompt_ids), len(c.completion_ids)
+        input_ids[s, : p + n] = torch.tensor(c.prompt_ids + c.completion_ids)
+        attention_mask[s, : p + n] = 1
+        mask[s, p : p + n] = c.mask
+        old_logp[s, p : p + n] = c.logp
+    rewards = torch.tensor([r for *_, r in comps], dtype=torch.float64)
+    group_ids = torch.tensor([i for i, *_ in comps], dtype=torch.long)
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mask=mask,
+        old_logp=old_logp,
+        rewards=rewards,
+        group_ids=group_ids,
+    )
+
+
+def varlen_attention(lm) -> bool:
+    """True when the model's attention runs a packed row (sequences back to back, position ids
+    restarting at 0) as separate sequences: transformers' flash-attention implementations read
+    cu_seqlens off the position ids. SDPA and eager compute a packed row correctly too, but through
+    a dense (C, C) block-diagonal mask over the whole row (transformers 5.19
+    masking_utils.find_packed_sequence_indices), which costs more than padding, so they get
+    length-sorted padded micro-batches instead. Same rule as transformers.utils.generic.
+    is_flash_attention_requested; config._attn_implementation is where transformers keeps the
+    choice."""
+    return "flash" in (lm.config._attn_implementation or "")
+
+
+def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[list[int]]]:
+    """Which samples each rank runs in which micro-batch: plan[rank][i] is a list of batch row
+    indices. lengths: tokens per sample (prompt + completion). Samples go to ranks longest first,
+    each to the rank with the fewest tokens so far; each rank's samples, longest first, fill a
+    micro-batch while its computed tokens (packed: the sum of lengths; padded: rows x the longest)
+    stay within --max-tokens-per-microbatch and its rows within --micro-batch-size. A sample longer
+    than the budget runs alone. Every rank holds the whole batch, so every rank computes the same
+    plan without communicating. --max-tokens-per-microbatch 0: the layout before issue 11 (rank r
+    takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
+    S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
+    if budget == 0:
+        strided = [list(range(r, S, world)) for r in range(world)]
+        return [[rows[i : i + cap] for i in range(0, len(rows), cap)] for rows in strided]
+    load, mine = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(S), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        load[r] += lengths[i]
+        mine[r].append(i)
+    plan = []
+    for rows in mine:
+        mbs, cur, used = [], [], 0
+        for i in rows:  # longest first, so a padded micro-batch is as long as its first row
+            cost = used + lengths[i] if pack else (len(cur) + 1) * lengths[cur[0] if cur else i]
+            if cur and (cost > budget or len(cur) == cap):
+                mbs.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += lengths[i]
+        plan.append(mbs + [cur] if cur else mbs)
+    return plan
+
+
+def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
+    """One micro-batch's CPU tensors from a right-padded batch (collate): the model input
+    (Policy.forward's arguments: padded rows cut to `width` columns, or packed into one row) and the
+    loss layout (s, width): old_logp, weights (s, width), adv (s,), dst (N,) where each of the N
+    log-probs goes in it, sample (N,) each token's batch row. rows None: an empty micro-batch, one
+    zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
+    backward calls on every rank)."""
+    if rows is None:
+        S, one = len(adv), torch.ones(1, dtype=torch.long)
+        return dict(
+            input_ids=torch.zeros(1, 2, dtype=torch.long),
+            attention_mask=None,
+            position_ids=None,
+            pred=one - 1,
+            targets=one - 1,
+            dst=one,
+            sample=one * S,
+            old_logp=torch.zeros(1, 2),
+            weights=torch.zeros(1, 2),
+            adv=torch.zeros(1),
+        )
+    idx = torch.tensor(rows)
+    ids, mask = batch["input_ids"][idx, :width], batch["mask"][idx, :width]  # (s, width)
+    real = batch["attention_mask"][idx, :width].bool()  # (s, width) prefix of each row
+    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (train_step checked mask[:, 0])
+    if pack:  # sequences back to back, each with its own positions
+        lengths = real.sum(1)
+        offset = lengths.cumsum(0) - lengths  # (s,) where each sequence starts in the row
+        model = dict(
+            input_ids=ids[real][None],
+            attention_mask=None,
+            position_ids=torch.arange(width).expand_as(ids)[real][None],
+        )
+    else:
+        offset = torch.arange(len(rows)) * width
+        mask_or_none = None if real.all() else real.long()  # no mask: causal, SDPA's flash kernel
+        model = dict(input_ids=ids, attention_mask=mask_or_none, position_ids=None)
+    return dict(
+        model,
+        pred=offset[r] + t - 1,  # token t is predicted from position t - 1 of its own sequence
+        targets=ids[r, t],
+        dst=r * width + t,
+        sample=idx[r],
+        old_logp=batch["old_logp"][idx, :width],
+        weights=weights[idx, :width],
+        adv=adv[idx],
+    )
+
+
+def check_batch(batch: dict, weights, V: int) -> None:
+    """Raises ValueError on a batch train_step would get wrong without a word: rows not right-padded
+    or mask off the real tokens (collate's layout), mask on a first token (nothing predicts it),
+    token ids outside [0, V), and what loss.check_values finds (a non-finite behaviour log-prob on
+    a valid token, a negative weight). weights (S, T) from loss.aggregation_weights. Run once per
+    step on the CPU: on a GPU each check would cost a host sync per micro-batch."""
+    T = batch["input_ids"].shape[1]
+    real = torch.arange(T) < batch["attention_mask"].sum(1)[:, None]  # (S, T) right-padded rows
+    if not torch.equal(batch["attention_mask"].bool(), real) or (batch["mask"] & ~real).any():
+        raise ValueError(
+            "batch must be right-padded, with mask only on real tokens (collate's layout)"
+        )
+    if batch["mask"][:, 0].any():
+        raise ValueError(
+            "mask[:, 0] is True: the first token has no preceding position to predict it"
+        )
+    ids = batch["input_ids"][real]
+    if ids.numel():
+        lo = int(ids.min())
+        hi = int(ids.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token ids must lie in [0, V={V}); got [{lo}, {hi}]")
+    loss.check_values(batch["old_logp"], weights)
+
+
+def to_device(mb: dict, device) -> dict:
+    """A micro-batch's tensors on `device`; on CUDA through pinned memory, so that the copies need
+    not wait for the host."""
+    if device.type != "cuda":
+        return mb
+    return {
+        k: None if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in mb.items()
+    }
+
+
+def microbatch_loss(policy, mb: dict, args: Args):
+    """Forward and loss of one micro-batch (microbatch's tensors, on the device). Returns (loss,
+    metrics, logp): from loss.policy_loss the 0-dim loss, this micro-batch's share of the
+    full-batch loss, and its metrics (sums over valid tokens, rho's extremes); logp (N,) float32,
+    the log-probs of its completion tokens."""
+    logp = policy(
+        mb["input_ids"],
+        mb["attention_mask"],
+        mb["position_ids"],
+        mb["pred"],
+        mb["targets"],
+        args.temperature,
+    )  # (N,) float32
+    w = mb["weights"]  # (s, width)
+    # the N log-probs into the loss layout; the other positions are padding (weight 0)
+    full = logp.new_zeros(w.numel()).index_copy(0, mb["dst"], logp).view_as(w)  # (s, width)
+    l, metrics = loss.policy_loss(
+        full,
+        mb["old_logp"],
+        mb["adv"],
+        w,
+        args.loss,
+        eps_low=args.eps_low,
+        eps_high=args.eps_high,
+        cispo_cap=args.cispo_cap,
+        validate=False,  # check_batch ran loss.check_values once, on the whole batch
+    )
+    return l, metrics, logp
+
+
+def first_nonfinite_sample(records, S: int, device) -> int:
+    """The first batch sample, over all ranks, with a non-finite log-prob or loss; S if none (the
+    gradient norm alone). records: (sample (N,), logp (N,), loss) of each of this rank's
+    micro-batches; a non-finite loss blames its micro-batch's first sample. Runs on the CPU once a
+    step has failed, off the fast path; a collective, so every rank calls it."""
+    first = S
+    for sample, logp, l in records:
+        bad = ~torch.isfinite(logp.cpu())  # (N,)
+        if not torch.isfinite(l):  # the loss has no sample: blame the micro-batch's first
+            first = min(first, int(sample.min()))
+        elif bad.any():
+            first = min(first, int(sample.cpu()[bad].min()))
+    everywhere = torch.tensor(first, device=device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    return int(everywhere)
+
+
+def reduce_metrics(sums, extremes, finite, grad_norm) -> tuple[dict, bool]:
+    """All-reduce one step's statistics over ranks and bring them to the host in one transfer, the
+    step's one host sync. sums (4,) float64: loss, valid tokens, clipped tokens, rho summed over
+    valid tokens; extremes (2,) float64: -rho_min, rho_max; finite 0-dim bool, this rank's flag;
+    grad_norm 0-dim, already global. Returns (the step's train/ metrics, finite on every rank)."""
+    dist.all_reduce(sums)
+    # MAX: the extremes, and 1 if any rank saw a non-finite value (torchtitan's loss_is_finite)
+    top = torch.cat([extremes, (~finite).double()[None]])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    out = torch.cat([sums, top, grad_norm.double()[None]]).tolist()  # the step's one host sync
+    loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, nonfinite, grad_norm = out
+    n = max(n_tok, 1.0)  # valid tokens in the batch, all ranks
+    metrics = {
+        "train/loss": loss_sum,
+        "train/grad_norm": grad_norm,
+        "train/tokens": int(n_tok),
+        "train/clip_frac": clipped / n,
+        "train/rho_mean": rho_sum / n,
+        "train/rho_min": -neg_rho_min,
+        "train/rho_max": rho_max,
+    }
+    return metrics, not nonfinite
+
+
+def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
+    """One optimizer step on a collated batch, the same on 1 or N ranks: advantages and aggregation
+    weights are computed on the whole batch (§4), each rank runs its share of the samples in
+    micro-batches (plan_microbatches: token-budgeted, trimmed to their own length, packed where the
+    attention kernel is varlen), and the shares sum to the full-batch loss and gradient. Metrics
+    and the finite flag stay on the device until one transfer after backward. Returns the step's
+    metrics, reduced over ranks. Raises ValueError on a batch check_batch rejects, and
+    FloatingPointError on every rank, before the weights change, if a log-prob, the loss or the
+    gradient norm is not finite (naming the first such batch sample)."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    # on the whole batch (§4), so that the micro-batches of all ranks sum to the full-batch loss
+    adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
+    weights = loss.aggregation_weights(batch["mask"], batch["group_ids"], agg=args.agg)  # (S, T)
+    # once per step on the CPU: on a GPU each check would sync the host once per micro-batch
+    check_batch(batch, weights, policy.lm.get_output_embeddings().weight.shape[0])
+    S, T = batch["input_ids"].shape
+    lengths = batch["attention_mask"].sum(1)  # (S,)
+    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
+    plan = plan_microbatches(lengths.tolist(), world, args, pack)
+    # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
+    mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
+    f64 = dict(dtype=torch.float64, device=device)
+    sums = torch.zeros(4, **f64)  # loss, valid tokens, clipped tokens, rho over valid tokens
+    extremes = torch.full((2,), -math.inf, **f64)  # -rho_min, rho_max
+    finite = torch.ones((), dtype=torch.bool, device=device)  # torchtitan's loss_is_finite
+    records = []  # per micro-batch, to name the sample if the step fails
+    for rows in mine:
+        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
+        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        mb = to_device(microbatch(batch, rows, width, pack, adv, weights), device)
+        l, m, logp = microbatch_loss(policy, mb, args)
+        # each rank's loss is its share of a sum, so shard() has FSDP2 sum gradients over ranks
+        l.backward()
+        sums += torch.stack([l.detach().double(), m["n_tokens"], m["clipped"], m["rho_sum"]])
+        extremes = torch.maximum(extremes, torch.stack([-m["rho_min"], m["rho_max"]]))
+        finite &= torch.isfinite(l)
+        if rows is not None:  # an empty micro-batch's one token has weight 0: it cannot fail
+            finite &= torch.isfinite(logp).all()
+        records.append((mb["sample"], logp.detach(), l.detach()))
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    # under FSDP2 the norm is a DTensor: full_tensor() is its global value, the same on every rank
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    finite &= torch.isfinite(grad_norm)
+    metrics, finite = reduce_metrics(sums, extremes, finite, grad_norm)
+    if not finite:  # every rank raises, before the weights change
+        optimizer.zero_grad(set_to_none=True)
+        s = first_nonfinite_sample(records, S, device)
+        where = f"log-prob or loss in batch sample {s}" if s < S else "loss or gradient"
+        loss_sum = metrics["train/loss"]
+        norm = metrics["train/grad_norm"]
+        raise FloatingPointError(f"non-finite {where} (loss {loss_sum:.4g}, grad norm {norm:.4g})")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics["train/adv_abs_mean"] = adv.abs().mean().item()
+    return metrics
 
 
 def drop_nonfinite_logp(groups) -> tuple[list, int]:
@@ -128,20 +484,22 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
     2. drops zero-variance groups (--zero-var-filter, §3.2),
     3. records every scored group's pass rate for No-Positive-Resampling (§3.2),
     4. adds DAPO's overlong penalty to correct rollouts (--length-penalty, A.10),
-    5. pads what is left into the trainer's tensors (trainer.collate) and logs the batch's first
+    5. pads what is left into the trainer's tensors (collate) and logs the batch's first
        rollouts to samples.jsonl.
     Every rank gets the padded batch. Returns (batch, metrics): batch None on every rank when a
     stop (Ctrl-C) abandoned the step; metrics rank 0's gen/*, filter/* and train/reward ({} on the
     other ranks)."""
-    import rollouts  # loaded by main already (it imports vLLM): a name lookup here
+    from infra import generator  # loaded by main already (it imports vLLM): a name lookup here
 
     m = {}
     payload = [None]  # stays None when a stop abandons the step
     # rank 0 waits for the groups while the other ranks poll (rank0_call); None: a stop meanwhile
-    batch = rank0_call(lambda: rollouts.next_batch(pipe, step))
+    batch = rank0_call(lambda: generator.next_batch(pipe, step))
     if batch is not None:  # rank 0
         m = dict(batch.metrics)
-        m.update(reward.pop_stats())  # math-verify's graded / timed-out counts since the last step
+        m.update(
+            math_reward.pop_stats()
+        )  # math-verify's graded / timed-out counts since the last step
         # 1. a NaN or inf behaviour log-prob is a sampler fault: its rollout leaves the batch
         groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
         # 2. all correct or all wrong: zero advantage everywhere, so no gradient, only noise
@@ -159,9 +517,9 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
         if args.length_penalty:
             groups = dapo_length_penalty(groups, args)
         # 5. (S, T) right-padded tensors: S rollouts, T the longest prompt + completion
-        payload = [trainer.collate(groups, pad_id)]
+        payload = [collate(groups, pad_id)]
         log.train_samples(step + 1, batch.groups)
-    # every rank holds the whole batch, so each computes the same micro-batch plan (trainer.py)
+    # every rank holds the whole batch, so each computes the same micro-batch plan (py)
     dist.broadcast_object_list(payload)
     return payload[0], m
 
@@ -195,13 +553,13 @@ def set_lr(optimizer, args: Args, step: int) -> float:
 
 
 def update(policy, optimizer, batch: dict, args: Args, device) -> dict:
-    """Phase 2, every rank: one optimizer step on the batch (trainer.train_step: advantages,
+    """Phase 2, every rank: one optimizer step on the batch (train_step: advantages,
     aggregation weights, fp32-head log-probs, CISPO, AdamW); none when every group had zero
     variance, as there is nothing to learn. Returns the step's train/* metrics."""
     # every rank sees the same (broadcast) batch, so all ranks skip the step together
     if len(batch["rewards"]) == 0:
         return {"train/tokens": 0}
-    return trainer.train_step(policy, optimizer, batch, args, device)
+    return train_step(policy, optimizer, batch, args, device)
 
 
 def say_stopped(rank: int, step: int, run_dir: str) -> None:
@@ -216,17 +574,16 @@ def main(args: Args) -> None:
     inputs = loading.load_inputs(args, world, device)
     run_dir, args, meta = launch.open_run_dir(args, world, master)
     prompts, eval_prompts, pool = loading.heldout_and_pool(args, inputs.prompts, run_dir, master)
-    policy, optimizer = trainer.build(inputs.lm, args, device)
+    policy, optimizer = build(inputs.lm, args, device)
     state = restore(args, run_dir, policy, optimizer, pool, master)
     step = state["step"]
     # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM), started from the
     # current weights; then the run's records (metrics.jsonl, samples.jsonl, evals, checkpoints)
     # these two import vLLM (~10 s): only now that the inputs have loaded
-    import records
-    import rollouts
+    from infra import generator, records
 
     stop = {"requested": False}  # set by the first Ctrl-C (launch.on_stop_signal)
-    pipe, push_weights, start_dir = rollouts.start(
+    pipe, push_weights, start_dir = generator.start(
         args, inputs, policy, pool, prompts, eval_prompts, run_dir, meta, world, device, step, stop
     )
     log = records.RunLog(args, run_dir, pipe, eval_prompts, state, inputs)
@@ -277,7 +634,7 @@ def main(args: Args) -> None:
         done = step == args.steps and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if master and done:
-            print(fit_cli.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
+            print(fit_report.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
         if step == args.steps:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import code_reward  # noqa: E402
+from tasks import code_reward  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Benchmark on one GPU: train.py's own trainer (trainer.py: Policy, shard, train_step) and its fp32
+"""Benchmark on one GPU: train.py's own trainer (train.py: Policy, shard, train_step) and its fp32
 LM head.
 
 Needs torch >= 2.11 and transformers only: tyro (config.py imports it) and vLLM are stubbed when
@@ -9,8 +9,8 @@ Qwen3Config. Issue 11; a GPU run's numbers go in the README.
    against the same call on the fp32-upcast operands (the exact fp32 path, the baseline) and with
    bf16 logits (the loo-fp32 ablation); errors against a float64 reference. Contract: |d logp| <=
    5e-5 against the fp32 path. Target: <= 0.25 s.
-2. Train step: a 1-rank process group, trainer.Policy + trainer.shard (FSDP2, bf16 params, fp32
-   reduce on GPU), AdamW, and trainer.train_step on a batch of --seqs variable-length sequences
+2. Train step: a 1-rank process group, train.Policy + train.shard (FSDP2, bf16 params, fp32
+   reduce on GPU), AdamW, and train.train_step on a batch of --seqs variable-length sequences
    drawn like the preset's rollouts (prompt U[64, 512] tokens, completion U[256, think_budget[1] +
    answer_budget]), for two shapes: `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b
    preset's settings, `8b-8l` = 8 of Qwen3-8B's 36 layers (untied head) with the qwen3-8b
@@ -54,10 +54,9 @@ for name in ("vllm", "tyro"):
     if importlib.util.find_spec(name) is None:
         sys.modules[name] = mock.MagicMock(name=name)
 import config  # noqa: E402
-import gpu_memory  # noqa: E402
-import launch  # noqa: E402
 import loss  # noqa: E402
-import trainer  # noqa: E402
+import train  # noqa: E402
+from infra import launch, placement  # noqa: E402
 
 # Qwen3 shapes (Hugging Face configs): layers, hidden, intermediate, heads, kv heads, head dim,
 # vocab, tied head
@@ -122,7 +121,7 @@ def plan():
     for name, shape in QWEN3.items():
         p = config.PRESETS[name]
         tokens = p["max_tokens_per_microbatch"]
-        u = gpu_memory.vllm_utilization(p.get("gpu_memory_utilization"), beside_trainer=True)
+        u = placement.vllm_utilization(p.get("gpu_memory_utilization"), beside_trainer=True)
         act = [tokens * activation_bytes_per_token(shape, c) / GiB for c in (False, True)]
         tot = [memory_estimate(shape, tokens, 8, c) for c in (False, True)]
         share = [(1 - u) * g for g in gpus.values()]
@@ -227,7 +226,7 @@ def head_rows(a, device) -> list[tuple[str, str]]:
 
 
 def make_batch(a, shape, args, gen):
-    """A collated batch (trainer.collate's layout) of --seqs rollouts drawn like the preset's."""
+    """A collated batch (train.collate's layout) of --seqs rollouts drawn like the preset's."""
     S, V = a.seqs, shape[6]
     if a.tiny:
         plen, clen = (8, 24), (16, 100)
@@ -289,7 +288,7 @@ def time_steps(a, label, policy, optimizer, batch, args, device) -> list[float]:
         if i == a.warmup:
             reset_peak(device)
         t0 = time.perf_counter()
-        m = trainer.train_step(policy, optimizer, batch, args, device)
+        m = train.train_step(policy, optimizer, batch, args, device)
         sync(device)
         dt = time.perf_counter() - t0
         if i >= a.warmup:
@@ -306,8 +305,8 @@ def part_train(a, name, variant, device):
         shape = (8, *shape[1:])  # 8 of Qwen3-8B's 36 layers
     args = bench_args(a, name, variant)
     L, H, inter, heads, kv, d, V, tied = shape
-    # trainer.build: activation checkpointing as asked, Policy, shard (FSDP2), AdamW
-    policy, optimizer = trainer.build(random_qwen3(shape, device), args, device)
+    # train.build: activation checkpointing as asked, Policy, shard (FSDP2), AdamW
+    policy, optimizer = train.build(random_qwen3(shape, device), args, device)
     batch = make_batch(a, shape, args, torch.Generator().manual_seed(1))
     lengths = batch["attention_mask"].sum(1).double()
     body, emb, head = n_params(shape)

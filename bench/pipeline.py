@@ -33,7 +33,7 @@ import filters  # noqa: E402
 import generate  # noqa: E402
 import loss  # noqa: E402
 import pipeline  # noqa: E402
-import tiny  # noqa: E402
+from tasks import tiny  # noqa: E402
 
 
 class Prompt:

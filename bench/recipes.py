@@ -21,7 +21,7 @@ Where this departs from the paper, and why: two seeds and one 0.43M-parameter mo
 task, minutes of CPU instead of 100k GPU-hours; on a CPU `fp32_head` is a no-op, so the GRPO arm
 differs from ScaleRL in the loss (GRPO clipping, sample-level aggregation, prompt-level advantage
 normalisation), the off-policy mode (PPO-off-policy-k instead of PipelineRL-k), and no
-zero-variance filter or No-Positive-Resampling (presets.RECIPES).
+zero-variance filter or No-Positive-Resampling (config.RECIPES).
 """
 
 import argparse
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # repo root, not bench/ (bench/fit.py would shadow fit.py)
 import fit  # noqa: E402
-from fit_cli import _num, load_metrics  # noqa: E402
+from infra.fit_report import _num, load_metrics  # noqa: E402
 
 PAPER_A = {"scalerl": 0.61, "deepseek-grpo": 0.49}  # Figure 2 (PAPER.md 10.2)
 

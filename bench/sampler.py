@@ -29,7 +29,7 @@ from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import generate  # noqa: E402
-import tiny  # noqa: E402
+from tasks import tiny  # noqa: E402
 
 BYTES_8B = 8.19e9 * 2  # Qwen3-8B parameters x bf16
 

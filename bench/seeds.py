@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # repo root, not bench/ (bench/fit.py would shadow fit.py)
 import fit  # noqa: E402
 from bench import recipes  # noqa: E402
-from fit_cli import load_metrics, whole_run_fit  # noqa: E402
+from infra.fit_report import load_metrics, whole_run_fit  # noqa: E402
 
 BARS = dict(rise=0.30, A_width=0.10, tail_mae=0.03, dA=fit.A_CLEAR)  # issue 12's acceptance
 

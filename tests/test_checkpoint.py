@@ -22,8 +22,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
-import tiny
+from infra import checkpoint
+from tasks import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ def test_final_export_equals_save_pretrained(tmp_path, tied):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=3, tie_word_embeddings=tied)
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = torch.nn.Module()
-    policy.lm = lm  # trainer.Policy's parameter names: the LM under `lm.`
+    policy.lm = lm  # train.Policy's parameter names: the LM under `lm.`
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = get_model_state_dict(policy, options=options)
     old_dir = tmp_path / "old"

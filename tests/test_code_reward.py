@@ -17,10 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import code_reward
-import data
-import tiny
-from code_reward import code_rewards, extract_code, grade, same_output
+from tasks import code_reward, data, tiny
+from tasks.code_reward import code_rewards, extract_code, grade, same_output
 
 
 @pytest.mark.parametrize(

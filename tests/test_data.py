@@ -1,8 +1,8 @@
 """data.py, sources.py, arith.py and heldout.py: column mapping in each file format (GSM8K "####"
 answers, \\boxed{} solutions, key overrides), every kind of bad row skipped and counted, the all-bad
 error, the held-out split (deterministic, disjoint, restored on resume), the arith task (solutions
-graded right by reward.math_reward, wrong answers graded wrong, thinking lengths spanning the warm
-start's interruption cuts and all below RL's budget, SFT and RL pools disjoint), the 100 real
+graded right by math_reward.math_reward, wrong answers graded wrong, thinking lengths spanning the
+warm start's interruption cuts and all below RL's budget, SFT and RL pools disjoint), the 100 real
 GSM8K questions with their golds; thinking decided from the chat template (Qwen3 hybrid, no think
 block, opened think block, DeepSeek-R1, a closed empty block, no template, a multi-token </think>)
 and the eval warning; number golds written exactly and bad answers (bool, NaN, inf, lists) counted
@@ -20,12 +20,8 @@ from dataclasses import replace
 
 import pytest
 
-import arith
 import config
-import data
-import heldout
-import reward
-import tiny
+from tasks import arith, data, heldout, math_reward, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shared/ sits beside the clone (CI) or beside the worktrees' folder (a session's git worktree)
@@ -213,16 +209,16 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
             x += item.add
         assert item.gold == str(x) and 1 <= item.times <= arith.ARITH_MAX_ADDS and x <= 99
     sols = [arith.arith_solution(item) for item in items]
-    assert reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [1.0] * len(
-        items
-    )
+    assert math_reward.math_rewards(sols, [item.gold for item in items], timeout=30.0) == [
+        1.0
+    ] * len(items)
     wrong = [
         s.replace(f"\\boxed{{{i.gold}}}", f"\\boxed{{{int(i.gold) + 1}}}")
         for s, i in zip(sols, items, strict=True)
     ]
-    assert reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [0.0] * len(
-        items
-    )
+    assert math_reward.math_rewards(wrong, [item.gold for item in items], timeout=30.0) == [
+        0.0
+    ] * len(items)
     item = arith.ArithItem(start=18, add=7, times=2)
     assert item.question == "Add 7 to 18, 2 times." and item.gold == "32"
     assert arith.arith_solution(item) == "<think>\n2:18+7=25\n1:25+7=32\n</think>\n\n\\boxed{32}"
@@ -230,7 +226,7 @@ def test_arith_solutions_graded_right_and_wrong_answers_wrong():
         item, slip=1.0, rng=random.Random(0)
     )  # every carry forgotten: 15, then 12
     assert sloppy == "<think>\n2:18+7=15\n1:15+7=12\n</think>\n\n\\boxed{12}"
-    assert reward.math_reward(sloppy, item.gold, timeout=30.0) == 0.0
+    assert math_reward.math_reward(sloppy, item.gold, timeout=30.0) == 0.0
 
 
 def test_arith_thinking_lengths_fit_the_budget_and_pools_are_disjoint(tok):
@@ -552,4 +548,4 @@ def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):
         )
         assert times >= 7 and p.gold == str(start + times * add)
         item = arith.ArithItem(start, add, times)
-        assert reward.math_reward(arith.arith_solution(item), p.gold, thinking=True) == 1.0
+        assert math_reward.math_reward(arith.arith_solution(item), p.gold, thinking=True) == 1.0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tyro
 
-import fit_cli
+from infra import fit_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R0 = 0.35
@@ -50,7 +50,7 @@ def table_rows(out):
 
 def main(*argv):
     """fit_cli.main on tyro-parsed arguments, as `python fit.py ARGV` runs it."""
-    fit_cli.main(tyro.cli(fit_cli.Args, args=[str(a) for a in argv]))
+    fit_report.main(tyro.cli(fit_report.Args, args=[str(a) for a in argv]))
 
 
 def run_fit_py(*argv, cwd):
@@ -176,12 +176,12 @@ def test_cli_two_files_in_one_folder_get_distinct_names(tmp_path, capsys):
     ],
 )
 def test_run_names(paths, names):
-    assert fit_cli.run_names(paths) == names
+    assert fit_report.run_names(paths) == names
 
 
 def test_run_names_same_file_twice(capsys):
     with pytest.raises(SystemExit) as e:
-        fit_cli.run_names(["runs/a/metrics.jsonl", "runs/b/../a/metrics.jsonl"])
+        fit_report.run_names(["runs/a/metrics.jsonl", "runs/b/../a/metrics.jsonl"])
     assert e.value.code == 2 and "given twice" in one_line(capsys.readouterr().err)
 
 
@@ -191,14 +191,14 @@ def test_load_metrics(tmp_path):
         '{"step": 2, "gpu_hours": 2.0, "eval/pass_rate": 0.5}\n{"step": 1, "gpu_hours": 1.0}\n\n'
         '{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.4}\n'
     )
-    C, R, note = fit_cli.load_metrics(p)
+    C, R, note = fit_report.load_metrics(p)
     assert C.tolist() == [0.0, 2.0] and R.tolist() == [0.4, 0.5] and note == ""
     p.write_text('{"step": 0, "eval/pass_rate": 0.4}\n')
     with pytest.raises(ValueError, match="m.jsonl:1: has 'eval/pass_rate' but no 'gpu_hours'"):
-        fit_cli.load_metrics(p)
+        fit_report.load_metrics(p)
     p.write_text('{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": null}\n')
     with pytest.raises(ValueError, match="m.jsonl:1: 'gpu_hours' or 'eval/pass_rate' is not a num"):
-        fit_cli.load_metrics(p)
+        fit_report.load_metrics(p)
     p.write_text('[1, 2]\n{"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.4}\n')
     with pytest.raises(ValueError, match="m.jsonl:1: not a JSON object"):
-        fit_cli.load_metrics(p)
+        fit_report.load_metrics(p)

@@ -41,10 +41,9 @@ from transformers import Qwen3ForCausalLM
 from vllm import SamplingParams, TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
-import data
-import engine
 import generate
-import tiny
+from infra import engine
+from tasks import data, tiny
 
 # tiny tokenizer ids
 EOS = 258
@@ -555,8 +554,8 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
     from transformers import Qwen3Config
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
 
-    import checkpoint
-    import trainer
+    import train
+    from infra import checkpoint
 
     sizes = {"qwen3-0.6b": (1024, 3072, 28, 16), "qwen3-8b": (4096, 12288, 36, 32)}[preset]
     cfg = Qwen3Config(
@@ -570,7 +569,7 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
         tie_word_embeddings=tied,
     )
     with torch.device("meta"):  # the real shapes, no memory
-        policy = trainer.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
+        policy = train.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
     meta = checkpoint.sampler_source(policy, torch.bfloat16).metadata()
     names = [m.name for m in meta]
     assert len(names) == len(set(names)) == 2 + (not tied) + 11 * sizes[2]  # 11 HF tensors a layer
@@ -588,16 +587,16 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
 
 @pytest.mark.vllm
 def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
-    """The (name, tensor) pairs the NCCL sender would broadcast, from a trainer.Policy, go through
+    """The (name, tensor) pairs the NCCL sender would broadcast, from a train.Policy, go through
     the CPU engine's loader as vLLM's NCCL receiver feeds them (WorkerExtension.load_named_weights):
     the engine's own parameter names are exactly what they map onto, and afterwards its log-probs
     are the new model's, as after a disk reload of the same weights (tied head included)."""
-    import checkpoint
-    import trainer
+    import train
+    from infra import checkpoint
 
     s, run = vllm_engine.sampler, vllm_engine.run
     model_dir = tiny.random_model(str(tmp_path / "seed7"), seed=7)
-    policy = trainer.Policy(Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32), True)
+    policy = train.Policy(Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32), True)
     pairs = list(checkpoint.sampler_weights(policy, torch.float32))
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
 
@@ -622,7 +621,7 @@ def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
 def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
     """vLLM's KV cache after start holds what placement.py estimates before start (conftest engine:
     0.25 GiB, fp32, 2 layers x 1 KV head of 32, max_model_len 1024)."""
-    import placement
+    from infra import placement
 
     from_config = placement.Shape.from_config(tiny.model_config(tiny.build_tokenizer()))
     per_token = placement.kv_bytes_per_token(from_config, dtype_bytes=4)

@@ -1,7 +1,7 @@
 """Answers graded right, end to end: a gold as it appears in a real dataset file (GSM8K's
 "#### 1,234", MATH's \\boxed{} solutions, integer and float answer columns in JSON, JSONL and
 parquet) goes through data.py's loading (read_rows, build_prompts, thinking_mode) and
-reward.math_rewards (real math-verify, in its workers) with a model's response; every expected
+math_reward.math_rewards (real math-verify, in its workers) with a model's response; every expected
 reward is decided by hand. Also the issue-14 reproductions: a model whose chat template has no
 think block is graded without a </think> (through the pipeline, as train.py runs it), a float gold
 0.00001 is not Euler's number, LaTeX thin spaces inside a number are digit grouping and never merge
@@ -14,12 +14,10 @@ import threading
 import pytest
 import torch
 
-import data
 import filters
 import generate
 import pipeline
-import reward
-import tiny
+from tasks import data, math_reward, tiny
 
 # no think block: Qwen3-Instruct-2507's generation prompt, in the tiny tokenizer's tokens
 CHATML = (
@@ -99,7 +97,7 @@ NUMBERS = [  # (answer cell as a JSON / parquet number, response, reward)
 
 
 def grade(prompts, responses):
-    return reward.math_rewards(
+    return math_reward.math_rewards(
         responses, [p.gold for p in prompts], thinking=prompts[0].thinking, timeout=20.0
     )
 
@@ -118,7 +116,7 @@ def chatml_tok():
 @pytest.fixture(scope="module", autouse=True)
 def _close_pool():
     yield
-    reward.close()
+    math_reward.close()
 
 
 def test_gsm8k_and_math_golds_graded(tmp_path, chatml_tok):
@@ -169,7 +167,7 @@ def test_thinking_decided_by_the_template_grades_the_answer():
     )[0]
     assert p.thinking
     responses = ["<think>2 + 2 = 4</think>\n\n\\boxed{4}", "2 + 2 = 4.\n\n\\boxed{4}"]
-    assert reward.math_rewards(responses, [p.gold] * 2, thinking=p.thinking) == [1.0, 0.0]
+    assert math_reward.math_rewards(responses, [p.gold] * 2, thinking=p.thinking) == [1.0, 0.0]
 
 
 class ScriptedSampler:

@@ -49,14 +49,12 @@ import pytest
 import safetensors.torch
 import torch
 
-import evals
 import filters
 import generate
 import offpolicy
 import pipeline
-import reward
-import tiny
-import weight_dirs
+from infra import evals, weight_dirs
+from tasks import math_reward, tiny
 
 P, G = 2, 4
 
@@ -432,7 +430,7 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
 
     def math_fn(
         responses, golds, thinking, timeout
-    ):  # as reward.math_rewards: floats; odd length scores 0 here
+    ):  # as math_reward.math_rewards: floats; odd length scores 0 here
         return [1.0 - parity(r) for r in responses]
 
     kw = dict(loop=vllm_engine.loop, group_size=G, prompts_per_step=4, max_lag=8)
@@ -719,7 +717,7 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
     def boxed_parity(
         responses, golds, thinking, timeout
     ):  # real math-verify workers, so close() must stop them
-        return reward.math_rewards(
+        return math_reward.math_rewards(
             [f"</think> \\boxed{{{len(r) % 2}}}" for r in responses], golds, thinking, timeout
         )
 

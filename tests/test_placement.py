@@ -1,4 +1,4 @@
-"""placement.py and gpu_memory.py: where trainer ranks and vLLM go, and whether they fit (no GPU
+"""placement.py and placement.py: where trainer ranks and vLLM go, and whether they fit (no GPU
 needed: sizes are arguments).
 
 Pins: (1) parameter counts of the qwen3-0.6b and qwen3-8b presets' shapes equal transformers' own
@@ -12,7 +12,7 @@ read through CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight 
 capped by the KV cache; (6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from
 2 x tp generator GPUs on), else beside the training engine with the memory for its weights and
 EVAL_SHARED_SEQS sequences; bad --eval-gpus refused; on CPU it shares the device. Expected values
-are worked out by hand in each test from the formulas in gpu_memory.py's docstring.
+are worked out by hand in each test from the formulas in placement.py's docstring.
 """
 
 import math
@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import placement as pl
+from infra import placement as pl
 
 GIB = 2**30
 # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB)
@@ -46,7 +46,7 @@ CONFIGS = {  # the public Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json sizes
         **QWEN3,
     ),
 }
-# the qwen3 presets (presets.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
+# the qwen3 presets (config.PAPER_GEN): 48 x 16, k = 8, micro-batch 1 of 16,512 tokens, AC on
 PAPER = dict(
     cuda_visible_devices=None,
     generator_gpus=None,

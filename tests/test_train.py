@@ -6,8 +6,8 @@ promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 the
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
 resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
 The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
-true A inside its bootstrap interval) and the first half; fit_cli.summary says it in words (R0, the
-last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
+true A inside its bootstrap interval) and the first half; fit_report.summary says it in words (R0,
+the last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
 15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
@@ -38,18 +38,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint
 import config
-import data
-import fit_cli
 import generate
-import launch
 import offpolicy
-import presets
-import records
-import tiny
 import train
-import trainer
+from infra import checkpoint, fit_report, launch, records
+from tasks import data, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
@@ -354,7 +348,7 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
     launch.setup_distributed()
     try:
-        default_steps = presets.PRESETS["tiny"]["steps"]  # a fresh run's, not the saved 7
+        default_steps = config.PRESETS["tiny"]["steps"]  # a fresh run's, not the saved 7
         for argv, steps, saved in (
             ("--run-dir", default_steps, ""),
             ("--resume", 7, " with its saved flags"),
@@ -389,7 +383,7 @@ def test_packing_only_where_attention_is_varlen():
 
     tiny_cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
     lm = AutoModelForCausalLM.from_config(Qwen3Config(**tiny_cfg))
-    assert lm.config._attn_implementation == "sdpa" and not trainer.varlen_attention(lm)
+    assert lm.config._attn_implementation == "sdpa" and not train.varlen_attention(lm)
     for impl, varlen in (
         ("eager", False),
         ("flex_attention", False),
@@ -397,18 +391,18 @@ def test_packing_only_where_attention_is_varlen():
         ("kernels-community/flash-attn3", True),
     ):
         lm.config._attn_implementation = impl
-        assert trainer.varlen_attention(lm) == varlen, impl
+        assert train.varlen_attention(lm) == varlen, impl
 
 
 def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
     lengths = [5, 30, 12, 7, 30, 3, 9, 12]
     args = config.Args(max_tokens_per_microbatch=32, micro_batch_size=3)
-    padded = trainer.plan_microbatches(lengths, 2, args, pack=False)
+    padded = train.plan_microbatches(lengths, 2, args, pack=False)
     # longest first, each to the rank with fewer tokens (ties: rank 0): rank 0 gets samples
     # 1, 2, 6, 5 (30 + 12 + 9 + 3 tokens), rank 1 samples 4, 7, 3, 0 (30 + 12 + 7 + 5);
     # padded cost = rows x longest
     assert padded == [[[1], [2, 6], [5]], [[4], [7, 3], [0]]]
-    packed = trainer.plan_microbatches(lengths, 2, args, pack=True)
+    packed = train.plan_microbatches(lengths, 2, args, pack=True)
     assert packed == [[[1], [2, 6, 5]], [[4], [7, 3, 0]]]  # sums 24 <= 32; 3 rows at most
     for plan, cost in ((padded, lambda mb: len(mb) * max(lengths[i] for i in mb)), (packed, None)):
         rows = sorted(i for rank in plan for mb in rank for i in mb)
@@ -416,9 +410,9 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
         for mb in (mb for rank in plan for mb in rank):
             c = cost(mb) if cost else sum(lengths[i] for i in mb)
             assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
-    assert trainer.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
+    assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
     legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
-    assert trainer.plan_microbatches(lengths, 2, legacy, pack=False) == [
+    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
         [[0, 2, 4], [6]],
         [[1, 3, 5], [7]],
     ]
@@ -529,7 +523,7 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
     assert [
         len(p)
-        for p in trainer.plan_microbatches(
+        for p in train.plan_microbatches(
             [16, 6, 6, 6, 8, 8, 7, 7], 2, config.Args(max_tokens_per_microbatch=16), False
         )
     ] == [3, 2]
@@ -611,7 +605,7 @@ def test_final_fit_fits_each_task_and_the_whole(tmp_path):
         assert (whole["A"], whole["B"], whole["C_mid"]) == pytest.approx((A, B, C_mid), rel=1e-4)
         assert whole["converged"] and whole["A_bootstrap"] == pytest.approx([A, A], rel=1e-4)
     assert out["R0"] == 0.15 and "A" in out  # the overall curve, fitted as before
-    text = fit_cli.summary(str(tmp_path), out)
+    text = fit_report.summary(str(tmp_path), out)
     final_b = history[-1]["eval/b/pass_rate"]  # R0 0.1, one block per task, indented
     assert f"\n  task b: pass rate 0.100 (R0) -> {final_b:.3f} at the last eval" in text
     assert os.path.getsize(tmp_path / "fit.png") > 0
@@ -642,7 +636,7 @@ def test_final_fit_whole_run_and_its_summary(tmp_path):
         out["fit_until"] == 0.5 and out["n_tail"] == 4
     )  # C = 10 ** (-2 + 2 k / 23) > 0.5: k >= 20
     assert out["A"] == pytest.approx(0.85, abs=0.02)  # the first half is past C_mid: A is seen
-    lines = fit_cli.summary(str(tmp_path), out).splitlines()
+    lines = fit_report.summary(str(tmp_path), out).splitlines()
     rise = f"0.250 (R0) -> {R[-1]:.3f} at the last eval ({R[-1] - 0.25:+.3f})"
     assert lines[0] == f"run {tmp_path}: pass rate {rise}"
     assert lines[1].startswith("  whole run: A 0.8") and lines[1].endswith("(A identified)")
@@ -658,7 +652,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     R = eq1(C, 0.8, 1.0, 1.0, 0.2) + np.random.default_rng(2).normal(0, 0.005, 16)
     out = records.final_fit(str(tmp_path), history_of(C, R, 0.2))
     assert not out["whole_run"]["converged"] and out["whole_run"]["A_bootstrap"] is None
-    whole_line = fit_cli.summary(str(tmp_path), out).splitlines()[1]
+    whole_line = fit_report.summary(str(tmp_path), out).splitlines()[1]
     assert "NOT converged: A not identified: fixed-A refits" in whole_line
     assert "bootstrap" not in whole_line  # no interval around a non-answer
     # two evals: neither fit can run; the summary says why instead of raising
@@ -668,7 +662,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     assert out["whole_run"] == {
         "error": "2 distinct compute values at C >= c_min=0.0; need at least 4"
     }
-    lines = fit_cli.summary(str(few), out).splitlines()
+    lines = fit_report.summary(str(few), out).splitlines()
     assert lines[0] == f"run {few}: pass rate 0.200 (R0) -> 0.400 at the last eval (+0.200)"
     assert (
         lines[1]
@@ -682,7 +676,8 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     # no step-0 eval (R0 abandoned by a Ctrl-C): one line
     out = records.final_fit(str(few), history_of([0.1, 0.2], [0.3, 0.4], 0.2)[1:])
     assert (
-        fit_cli.summary("runs/x", out) == "run runs/x: no step-0 eval (R0): nothing to fit against"
+        fit_report.summary("runs/x", out)
+        == "run runs/x: no step-0 eval (R0): nothing to fit against"
     )
 
 
@@ -707,12 +702,12 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
             lm.model.layers[1].mlp.down_proj.weight[0, 0] = float(
                 "nan"
             )  # poisons every position after the first
-        policy = trainer.Policy(lm, True)
-        trainer.shard(policy, device)
+        policy = train.Policy(lm, True)
+        train.shard(policy, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
         with pytest.raises(FloatingPointError, match="log-prob or loss in batch sample 0"):
-            trainer.train_step(policy, optimizer, batch, args, device)
+            train.train_step(policy, optimizer, batch, args, device)
         after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
         assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
         assert not optimizer.state  # the optimizer never stepped
@@ -725,7 +720,7 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
             (dict(mask=col0), r"mask\[:, 0\] is True"),
         ):  # checked once per step on the CPU, before any compute
             with pytest.raises(ValueError, match=match):
-                trainer.train_step(policy, optimizer, {**batch, **bad}, args, device)
+                train.train_step(policy, optimizer, {**batch, **bad}, args, device)
     finally:
         launch.dist.destroy_process_group()
 
@@ -768,7 +763,7 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
         msg.format(*x)
         for x in [(1, 5, "nan", 1), (3, 5, "-inf", 0), (0, 9, "nan", 0), (1, 9, "inf", 0)]
     ]
-    batch = trainer.collate(kept, 0)
+    batch = train.collate(kept, 0)
     assert torch.isfinite(torch.where(batch["mask"], batch["old_logp"], 0.0)).all()
     assert batch["group_ids"].tolist() == [0, 0, 1, 1]  # advantages see groups of 2 and 2
 

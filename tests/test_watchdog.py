@@ -14,12 +14,12 @@ import time
 import psutil
 import pytest
 
-import watchdog
+from infra import watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = """
 import subprocess, sys, time
-import watchdog
+from infra import watchdog
 wd = watchdog.start([sys.argv[1]])
 deaf = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-import checkpoint
-import placement
 from config import Args
+from infra import checkpoint, placement
 
 HEARTBEAT_S = 1.0  # rank0_call: the other ranks' poll while rank 0 waits (vLLM, rollouts, evals)
 

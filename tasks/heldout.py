@@ -7,7 +7,7 @@ Paper: §2.1 and A.5 (a fixed set of 1,000 held-out prompts). Exercised by
 Where this departs from the paper, and why:
 1. A mixture holds out `eval_size` prompts of each task, not of the whole, so every task's curve is
    measured on as many prompts as a run of that task alone would be.
-2. The split is saved in the run directory (heldout.json) and restored on resume, with a
+2. The split is saved in the run directory (json) and restored on resume, with a
    fingerprint of the questions, so a resumed run never trains on its held-out prompts.
 """
 
@@ -16,7 +16,7 @@ import os
 import random
 import zlib
 
-from data import Prompt
+from tasks.data import Prompt
 
 SPLIT_FILE = "heldout.json"
 
@@ -29,7 +29,7 @@ def split_heldout(
     of that task alone would be. One task: `random.Random(seed).sample` of the positions; several:
     the same generator samples each task's positions in turn, tasks in order of appearance.
 
-    With `run_dir`, the split is saved there (heldout.json: indices and a fingerprint of the
+    With `run_dir`, the split is saved there (json: indices and a fingerprint of the
     questions) and, when that file already exists (a resumed run), restored from it instead of
     drawn. Raises ValueError when eval_size leaves a task no training prompt, or when the saved
     split belongs to a different dataset."""

@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
 
-import sandbox
+from tasks import sandbox
 
 WORKERS = min(8, os.cpu_count() or 1)  # sandboxes at once; set before the first call
 MAX_TESTS = 16  # tests kept per DeepCoder problem

@@ -24,13 +24,15 @@ import time
 import numpy as np
 import torch.distributed as dist
 
-import checkpoint
-import data
 import fit
-import fit_cli  # the whole-run fit and the plot live with fit.py's command line
 import pipeline
 from config import Args
-from launch import HEARTBEAT_S, rank0_call
+from infra import (
+    checkpoint,
+    fit_report,  # the whole-run fit and the plot live with fit.py's command line
+)
+from infra.launch import HEARTBEAT_S, rank0_call
+from tasks import data
 
 
 def curve_fit(history: list[dict], steps: int) -> dict:
@@ -61,11 +63,11 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     """The paper's protocol (§5) on this run: fit on the first half of its compute, predict the
     second half (mean absolute error on the held-out evals); plot it like Figure 1 (fit.png) and
     save the numbers (fit.json). Beside it, "whole_run": the fit on all the evals
-    (fit_cli.whole_run_fit).
+    (fit_report.whole_run_fit).
     A run of several tasks (history with eval/<task>/pass_rate) also gets those fits per task,
     under "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those
     curves instead of the overall one. A fit that fails holds its "error" and is not drawn.
-    fit_cli.summary says it in words."""
+    fit_report.summary says it in words."""
     if not history or history[0]["step"] != 0:  # R0 was abandoned (Ctrl-C) and could not run again
         out = {"error": "no step-0 eval (R0): nothing to fit against"}
         with open(os.path.join(run_dir, "fit.json"), "w") as f:
@@ -74,13 +76,13 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     C = np.array([h["gpu_hours"] for h in history[1:]])
     half = C[-1] / 2 if len(C) else 0.0
     tasks = [m[1] for k in history[0] if (m := re.fullmatch(r"eval/(.+)/pass_rate", k))]
-    curves = []  # (name, C, R, fit) for fit_cli.plot
+    curves = []  # (name, C, R, fit) for fit_report.plot
 
     def one(name: str, key: str) -> dict:
         R = np.array([h[key] for h in history[1:]])
         R0 = history[0][key]
         out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
-        out["whole_run"] = fit_cli.whole_run_fit(C, R, R0)
+        out["whole_run"] = fit_report.whole_run_fit(C, R, R0)
         try:
             f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
         except (ValueError, RuntimeError) as e:
@@ -106,7 +108,7 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
     if curves:
         ylabel = "eval/<task>/pass_rate" if tasks else "eval/pass_rate"
         path = os.path.join(run_dir, "fit.png")
-        fit_cli.plot(curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_until=half)
+        fit_report.plot(curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_until=half)
     with open(os.path.join(run_dir, "fit.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out

@@ -16,17 +16,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import code_reward
 import config
-import data
 import filters
-import heldout
-import placement
-import reward
-import sandbox
-import tiny
 from config import Args, BadInput
-from launch import plan_placement
+from infra import placement
+from infra.launch import plan_placement
+from tasks import code_reward, data, heldout, math_reward, sandbox, tiny
 
 
 def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
@@ -34,7 +29,7 @@ def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
     math-verify for math, the problem's unit tests run in a bubblewrap sandbox for code. Raises
     BadInput (code 1) with sandbox.check's one-line error when code is present and no sandbox can
     be made here; --unsafe-no-sandbox runs code without one, with a warning at every start."""
-    fns = {"math": reward.math_rewards}
+    fns = {"math": math_reward.math_rewards}
     if any(p.kind == "code" for p in prompts):
         try:
             sandbox.check(sandboxed=not unsafe_no_sandbox)

@@ -23,12 +23,10 @@ import os
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import arith
-import code_reward
-import sources
+from tasks import arith, code_reward, sources
 
 # Appended when a thinking budget runs out (paper v1 §4); one home for generate.py, tiny.py and
-# flags.py.
+# config.py.
 PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION_KEYS = ("question", "problem", "prompt")
@@ -47,7 +45,7 @@ class Prompt:
     # position among the valid rows of the source: the stable id the held-out split saves
     index: int
     question: str
-    gold: str  # normalised gold answer, the first argument of reward.math_reward
+    gold: str  # normalised gold answer, the first argument of math_reward.math_reward
     prompt_ids: tuple[int, ...]
     thinking: bool  # the model writes <think>...</think> before its answer
     kind: str = "math"  # its reward: "math" (gold: an answer) or "code" (gold: a tests document)
@@ -63,8 +61,8 @@ class Prompt:
 
 def thinking_mode(tokenizer, mode: str = "auto") -> bool:
     """Does the model write <think>...</think> before its answer (paper A.3)? This decides
-    Prompt.thinking, hence the sampler's two phases and reward.math_reward's "only the text after
-    the last </think> counts" rule.
+    Prompt.thinking, hence the sampler's two phases and math_reward.math_reward's "only the text
+    after the last </think> counts" rule.
 
     mode "on" / "off" force the answer ("on" raises ValueError unless `</think>` is a single token:
     the sampler ends the thinking phase on that id). "auto" reads the chat template: thinking iff

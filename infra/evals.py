@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import generate
+from infra.weight_dirs import snapshot
 from producer import score
-from weight_dirs import snapshot
 
 
 @dataclass

@@ -32,7 +32,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is given
+from infra.placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is given
 
 # seconds Engine.shutdown waits in all for the engine's processes before killing them
 SHUTDOWN_TIMEOUT = 20.0

