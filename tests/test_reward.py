@@ -1,13 +1,13 @@
 """Pins math_reward.py: `extract_boxed` (balanced and escaped braces, last box wins, unclosed ->
 None, 10k nesting); `ungroup_digits` (each LaTeX spacing command between thousands groups removed,
 never two numbers merged); a table of response/gold verdicts decided by hand (equivalent forms,
-wrong answers, thinking rules, last box wins, and no merging of several boxes into a set); the batch path
-gives the same verdicts and grades repeats once; `pop_stats` counts gradings, unanswered responses
-and timeouts, and resets; bad gold raises; hostile output (power towers, 100k-character boxes, 10k
-nested braces, NUL bytes, lone surrogates, empty strings) scores 0.0 within timeout + a few
-seconds; an overrunning worker is killed and replaced; a worker that died while idle costs no wrong
-verdict; 8 threads at once; the pool starts one worker, `close()` reaps all, and no worker outlives
-its parent (normal exit, SIGKILL while idle, SIGKILL while grading)."""
+wrong answers, thinking rules, last box wins, and no merging of several boxes into a set); the batch
+path gives the same verdicts and grades repeats once; `pop_stats` counts gradings, unanswered
+responses and timeouts, and resets; bad gold raises; hostile output (power towers, 100k-character
+boxes, 10k nested braces, NUL bytes, lone surrogates, empty strings) scores 0.0 within timeout + a
+few seconds; an overrunning worker is killed and replaced; a worker that died while idle costs no
+wrong verdict; 8 threads at once; the pool starts one worker, `close()` reaps all, and no worker
+outlives its parent (normal exit, SIGKILL while idle, SIGKILL while grading)."""
 
 import os
 import signal
