@@ -1,9 +1,9 @@
-"""infra/fit_report.py, fit.py's command line (issue 13 item 11): a table whose numbers match the generating
-curves, the comparison verdict and the PNG; a run directory for its metrics.jsonl; one-line errors
-with exit code 2 for usage errors found before any work (no path, a missing file or --out folder)
-and 1 for a file that cannot be read or fitted, each naming the path once; distinct run names for
-two files in one folder; a cut-off last line skipped with a note, a bad line before it refused.
-"""
+"""infra/fit_report.py, fit.py's command line (issue 13 item 11): a table whose numbers match the
+generating curves, the comparison verdict and the PNG; a run directory for its metrics.jsonl; one-
+line errors with exit code 2 for usage errors found before any work (no path, a missing file or
+--out folder) and 1 for a file that cannot be read or fitted, each naming the path once; distinct
+run names for two files in one folder; a cut-off last line skipped with a note, a bad line before it
+refused."""
 
 import json
 import os
