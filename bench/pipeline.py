@@ -16,12 +16,10 @@ wait) and one trainer step (its compute).
 """
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -33,6 +31,7 @@ import filters  # noqa: E402
 import generate  # noqa: E402
 import loss  # noqa: E402
 import pipeline  # noqa: E402
+from infra import engine  # noqa: E402
 from tasks import tiny  # noqa: E402
 
 
@@ -73,11 +72,11 @@ def train_step(model, opt, batch):
     return value.item()
 
 
-def run(mode_k, sampler, loop, model_dir, prompts, args):
+def run(mode_k, thread, model_dir, prompts, args):
     """(seconds per timed step, trainer wait seconds per timed step, trainer compute seconds per
-    step)."""
+    step) of a run on the sampler of `thread` (an engine.SamplerThread)."""
     # the same start weights for every run
-    asyncio.run_coroutine_threadsafe(sampler.update_weights(model_dir), loop).result()
+    thread.run(thread.sampler.update_weights(model_dir))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -85,10 +84,10 @@ def run(mode_k, sampler, loop, model_dir, prompts, args):
     waits = []
     computes = []
     with pipeline.Pipeline(
-        sampler,
+        thread.sampler,
         prompts,
         pool,
-        loop=loop,
+        loop=thread.loop,
         group_size=args.group,
         prompts_per_step=args.batch,
         max_lag=mode_k,
@@ -121,11 +120,9 @@ def chat_prompts(n: int) -> list[Prompt]:
     return prompts
 
 
-def start_sampler(model_dir, args):
-    """A generate.Sampler on an asyncio loop in a thread of its own -> (sampler, loop, thread)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+def start_sampler(model_dir, args) -> engine.SamplerThread:
+    """A generate.Sampler on an asyncio loop in a thread of its own."""
+    thread = engine.SamplerThread("bench-sampler")
     make = generate.Sampler.create(
         model_dir,
         dtype="float32",
@@ -136,8 +133,8 @@ def start_sampler(model_dir, args):
         answer_budget=args.answer,
         seed=0,
     )
-    sampler = asyncio.run_coroutine_threadsafe(make, loop).result()
-    return sampler, loop, thread
+    thread.start(make).result()
+    return thread
 
 
 def report(results, args):
@@ -172,12 +169,12 @@ def main(args, work):
     prompts = chat_prompts(64)
     start = os.path.join(work, "start")
     model_dir = tiny.random_model(start, hidden_size=args.hidden, num_layers=args.layers)
-    sampler, loop, thread = start_sampler(model_dir, args)
+    thread = start_sampler(model_dir, args)
     results = {0: [], 8: []}
     try:
         for rep in range(args.reps):
             for k in (0, 8):
-                results[k].append(run(k, sampler, loop, model_dir, prompts, args))
+                results[k].append(run(k, thread, model_dir, prompts, args))
                 step, wait, compute = results[k][-1]
                 print(
                     f"rep {rep} k={k}: {1 / step:.3f} steps/s, trainer wait {wait / step:.0%}, "
@@ -185,10 +182,7 @@ def main(args, work):
                     flush=True,
                 )
     finally:
-        sampler.shutdown()
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        thread.close(pipeline.CLOSE_TIMEOUT)
     report(results, args)
 
 

@@ -75,7 +75,7 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
     async def plain(lengths):
         async def one(prompt, n):
             params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-            async for out in sampler.engine.generate(  # noqa: B007
+            async for out in sampler.engine.client.generate(  # noqa: B007
                 TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex
             ):
                 pass
@@ -179,7 +179,7 @@ async def bench_letters(args, prompts, work):
             f"update_weights {load * 1e3:.0f} ms"
         )
     finally:
-        sampler.shutdown()
+        sampler.engine.shutdown()
 
 
 async def bench_big_update(args, prompts, work):
@@ -200,7 +200,7 @@ async def bench_big_update(args, prompts, work):
         await sampler.generate(prompts[0], n=2, think_budget=(8, 8), answer_budget=8)
         save, load, size = await update_latency(sampler, big, args.reps)
     finally:
-        sampler.shutdown()
+        sampler.engine.shutdown()
     print(
         f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s "
         f"({size / save / 1e9:.2f} GB/s), update_weights {load:.2f} s "

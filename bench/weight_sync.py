@@ -147,10 +147,8 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
     engine serving this model; None without vLLM or without a tokenizer that fits the vocabulary
     (the 8B-wide model here)."""
     try:
-        import asyncio
-        import threading
-
         import generate
+        from infra import engine
         from tasks import tiny
     except ImportError:
         return None
@@ -161,10 +159,7 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
     cfg.save_pretrained(root)
     tokenizer.save_pretrained(root)
     checkpoint.export_weights(policy, root, dtype)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
+    thread = engine.SamplerThread("bench-sampler")
     create = generate.Sampler.create(
         root,
         dtype=str(dtype).removeprefix("torch."),
@@ -175,13 +170,11 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
         think_budget=(8, 8),
         answer_budget=8,
     )
-    sampler = run(create)
     try:
-        return timed(lambda: run(sampler.update_weights(root)), repeats, cuda=False)
+        sampler = thread.start(create).result()
+        return timed(lambda: thread.run(sampler.update_weights(root)), repeats, cuda=False)
     finally:
-        sampler.shutdown()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+        thread.close(30.0)
         shutil.rmtree(root, ignore_errors=True)
 
 
