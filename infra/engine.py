@@ -1,10 +1,14 @@
-"""The vLLM engine under `generate.Sampler`: its arguments, processes, and where new weights land.
+"""The vLLM engine under `generate.Sampler`: its arguments, processes, the thread its client runs
+in, and where new weights land.
 
 Part of the ScaleRL generator (arXiv 2510.13786): PipelineRL in-flight weight updates (§3.1, A.11)
-and the FP32 LM head (§3.2, A.19). A `generate.Sampler` is an `Engine`: one `AsyncLLM` built from
-`engine_args` and started in processes of its own (`start_engine`). vLLM adds `WorkerExtension`'s
-methods to each of its workers, where weight updates load. Each reach into vLLM's internals is one
-named function with the vLLM version it was checked on, pinned by `pytest tests/test_generate.py`.
+and the FP32 LM head (§3.2, A.19). "Engine" means one thing here and everywhere: `Engine`, one vLLM
+engine, its client (`AsyncLLM`, vLLM's engine client) built from `engine_args` and the processes it
+started (`start_engine`: EngineCore, Workers). A `generate.Sampler` has one. `SamplerThread` is the
+one place a sampler's thread and asyncio loop are started and shut down (the pipeline's training
+engine, the eval engine, the tests' shared engine). vLLM adds `WorkerExtension`'s methods to each
+of its workers, where weight updates load. Each reach into vLLM's internals is one named function
+with the vLLM version it was checked on, pinned by `pytest tests/test_generate.py`.
 
 Where it departs from the paper, and why (the paper does not say how its generators take weights):
 1. New weights reach the engine from disk (a safetensors directory and vLLM's `reload_weights`)
@@ -14,6 +18,7 @@ Where it departs from the paper, and why (the paper does not say how its generat
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
@@ -67,7 +72,11 @@ def weight_transfer_backend(
             f"{NCCL_CHECKED_ON}.x (cuda={cuda}, dedicated={dedicated}, vllm {vllm_version}); "
             "use 'disk'"
         )
-    return requested if requested != "auto" else ("nccl" if nccl_ok else "disk")
+    if requested != "auto":
+        return requested
+    if nccl_ok:
+        return "nccl"
+    return "disk"
 
 
 def engine_args(
@@ -160,8 +169,8 @@ def start_engine(
 ) -> tuple[AsyncLLM, list[multiprocessing.Process], list[psutil.Process]]:
     """Start vLLM's `AsyncLLM` from `args`, with the variables `env` in os.environ while its
     processes spawn (they inherit them; ours are put back after). nice: if not 0, `renice` every
-    thread of the new processes. Returns the engine, its processes (our children) and theirs (vLLM's
-    workers), for `Engine.shutdown`. Raises ValueError for a bad nice before anything starts."""
+    thread of the new processes. Returns (the engine's client, its processes: our children, theirs:
+    vLLM's workers), for `Engine`. Raises ValueError for a bad nice before anything starts."""
     if nice:
         renice([], nice)  # checks nice only: it cannot raise once the engine runs
     with _SPAWN_LOCK:
@@ -169,7 +178,7 @@ def start_engine(
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            engine = AsyncLLM.from_engine_args(args)
+            client = AsyncLLM.from_engine_args(args)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -184,12 +193,13 @@ def start_engine(
                 workers += psutil.Process(p.pid).children(True)
     if nice:
         renice([p.pid for p in procs] + [w.pid for w in workers], nice)
-    return engine, procs, workers
+    return client, procs, workers
 
 
 class Engine:
-    """A vLLM engine (`AsyncLLM`, as `self.engine`) in processes of its own, which `dead` watches
-    and `shutdown` stops; `generate.Sampler` is one. Arguments:
+    """One vLLM engine: `client` (vLLM's `AsyncLLM`, which requests, RPCs and weight loads go
+    through) and the processes it started, which `dead` watches and `shutdown` stops. A
+    `generate.Sampler` has one (`sampler.engine`). Arguments:
       model: a local directory or a hub id, with its tokenizer. seed: the engine's seed.
       gpus: physical device ids (or UUIDs) for the engine processes: CUDA_VISIBLE_DEVICES is set
         to them while they are spawned (this process's CUDA is unaffected); placement.plan maps
@@ -200,7 +210,7 @@ class Engine:
         an engine that shares the CPU with the trainer (the eval engine on CPU).
       env: environment variables for the engine's processes (set while they start), e.g.
         VLLM_CPU_OMP_THREADS_BIND (`generate.cpu_bind`) for an engine with fewer threads.
-      **engine: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
+      **kwargs: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
         data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
     Raises ValueError for bad settings, vLLM's errors at engine start.
     """
@@ -214,9 +224,9 @@ class Engine:
         weight_transfer: str = "disk",
         nice: int = 0,
         env: dict[str, str] | None = None,
-        **engine,
+        **kwargs,
     ):
-        devices = engine.get("tensor_parallel_size", 1) * engine.get("data_parallel_size", 1)
+        devices = kwargs.get("tensor_parallel_size", 1) * kwargs.get("data_parallel_size", 1)
         if gpus is not None and len(gpus) != devices:
             raise ValueError(
                 f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices"
@@ -226,20 +236,20 @@ class Engine:
             weight_transfer, cuda=cuda, dedicated=gpus is not None
         )
         args = engine_args(
-            model, cuda=cuda, seed=seed, weight_transfer=self.weight_transfer, **engine
+            model, cuda=cuda, seed=seed, weight_transfer=self.weight_transfer, **kwargs
         )
         env = dict(env or {})
         if gpus is not None:  # inherited by the engine processes spawned below
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        # shutdown() ends _procs (our children) and _workers (theirs: vLLM's workers)
-        self.engine, self._procs, self._workers = start_engine(args, env, nice)
+        # procs: our children (EngineCore); workers: theirs (vLLM's workers); shutdown ends both
+        self.client, self.procs, self.workers = start_engine(args, env, nice)
 
     @property
     def kv_capacity(self) -> int:
         """Sequences of max_model_len tokens the KV cache of one engine holds, from vLLM's config
         after start (num_gpu_blocks, summed over the dp engines by vLLM, x block_size): so many
         never preempt one another."""
-        config = self.engine.vllm_config
+        config = self.client.vllm_config
         blocks = config.cache_config.num_gpu_blocks or 0
         blocks //= config.parallel_config.data_parallel_size
         return blocks * config.cache_config.block_size // config.model_config.max_model_len
@@ -247,14 +257,16 @@ class Engine:
     def dead(self) -> str | None:
         """Why the engine can no longer serve (shut down; its client saw it die; one of its
         processes exited), or None while it can. Any thread; cheap enough to poll."""
-        if self.engine is None:
+        if self.client is None:
             return "the vLLM engine is shut down"
-        if self.engine.errored:
+        if self.client.errored:
             return "the vLLM engine died"
         exited = [
-            f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None
+            f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None
         ]
-        return f"vLLM engine process {', '.join(exited)} exited" if exited else None
+        if exited:
+            return f"vLLM engine process {', '.join(exited)} exited"
+        return None
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
         """Stop the engine and wait for its processes to end (idempotent; safe from any thread).
@@ -263,26 +275,115 @@ class Engine:
         within about timeout + 2 s)."""
         deadline = time.monotonic() + timeout
         left = lambda: max(0.0, deadline - time.monotonic())
-        if self.engine is not None:
+        if self.client is not None:
             logger = logging.getLogger("vllm")
             level = logger.level
             logger.setLevel(logging.CRITICAL)  # a dying engine core's errors are expected
             try:
-                self.engine.shutdown(timeout=min(5.0, left()))  # vLLM's own default grace: 5 s
+                self.client.shutdown(timeout=min(5.0, left()))  # vLLM's own default grace: 5 s
             finally:
                 logger.setLevel(level)
-            self.engine = None
+            self.client = None
         # our children: join them, so multiprocessing reaps them
-        for proc in self._procs:
+        for proc in self.procs:
             proc.join(left())
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
         # their children (vLLM workers)
-        for proc in psutil.wait_procs(self._workers, timeout=left())[1]:
+        for proc in psutil.wait_procs(self.workers, timeout=left())[1]:
             proc.kill()
-        self._procs = []
-        self._workers = []
+        self.procs = []
+        self.workers = []
+
+
+class SamplerThread:
+    """Where a `generate.Sampler` runs: the asyncio loop every coroutine of it must run in, and the
+    thread running that loop. Owned (no `loop` given): a new loop in a new daemon thread named
+    `name`; `start` makes the sampler in it, `close` shuts both down. Borrowed (`sampler` running in
+    `loop`, another thread's, as the tests' shared engine): used as is, never closed here. Other
+    threads hand the loop coroutines with `submit` / `run`."""
+
+    def __init__(self, name: str, sampler=None, loop: asyncio.AbstractEventLoop | None = None):
+        self.owned = loop is None
+        self.sampler = sampler
+        self.loop = loop
+        self._thread = None
+        self._start = None  # start()'s future
+        self._made = threading.Event()  # set once start()'s coroutine ended, however it ended
+        self._closed = False
+        self._lock = threading.Lock()  # sampler and _closed, between start() and close()
+        if self.owned:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+            self._thread.start()
+
+    def start(self, create) -> concurrent.futures.Future:
+        """Make the sampler in the loop and return at once: `create` is the coroutine that makes it
+        (`generate.Sampler.create(model, **kwargs)`, which blocks the loop while vLLM starts). The
+        future's result() is the sampler (blocking start) or raises its start error. A sampler that
+        is made after `close` stopped waiting for it is shut down here."""
+
+        async def make():
+            try:
+                sampler = await create
+                with self._lock:
+                    self.sampler = sampler
+                    closed = self._closed
+                if closed:  # close() stopped waiting for the start: nothing else will stop it
+                    sampler.engine.shutdown()
+                return sampler
+            finally:
+                self._made.set()
+
+        self._start = self.submit(make())
+        return self._start
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Run the coroutine `coro` in the loop, from another thread; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        """Run `coro` in the loop and wait for its result (TimeoutError after `timeout` s)."""
+        return self.submit(coro).result(timeout)
+
+    def try_run(self, coro, timeout: float) -> None:
+        """`run` for a shutdown path, where a stuck loop or a failing coroutine must not keep the
+        rest from shutting down: errors are dropped, and the coroutine is cancelled after
+        `timeout` s (one never started is closed with it)."""
+        future = self.submit(coro)
+        with contextlib.suppress(Exception):
+            future.result(timeout)
+        future.cancel()
+
+    def wake(self, event: asyncio.Event) -> None:
+        """Set `event`, an asyncio.Event of this loop, from any thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to wake
+            self.loop.call_soon_threadsafe(event.set)
+
+    def close(self, timeout: float) -> bool:
+        """An owned one: shut the sampler's engine down (what is left of it killed), let vLLM's
+        cancelled tasks finish, stop the loop, join the thread and close the loop, within about
+        `timeout` s in all. True once nothing of it runs (at once if borrowed); False if the
+        sampler is still starting after `timeout` s: `start` shuts it down once made, and the run's
+        watchdog ends its processes if this process exits first."""
+        if not self.owned:
+            return True
+        deadline = time.monotonic() + timeout
+        left = lambda: max(0.0, deadline - time.monotonic())
+        with self._lock:
+            self._closed = True
+        # (not the future: a caller's cancel marks it done while vLLM may still be starting)
+        if self._start is not None and not self._made.wait(left()):
+            return False
+        if self.sampler is not None:
+            self.sampler.engine.shutdown(timeout=max(left(), 1.0))  # kills what is left after it
+            self.try_run(asyncio.sleep(0.2), left())  # vLLM's cancelled tasks end before the loop
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(left())
+        if not self._thread.is_alive():
+            self.loop.close()
+        return True
 
 
 class _NothingToReload(logging.Filter):
@@ -317,7 +418,7 @@ class WorkerExtension:
         the worker mid-step, and its engine core fails with pages of tracebacks. Ignoring it, the
         engine core (its own SIGINT handler) aborts its requests and stops its workers with
         SIGTERM, or, with the worker in the engine-core process (one device), the engine serves on
-        and the trainer stops it (Sampler.shutdown). RPCs run in the worker's main thread, as
+        and the trainer stops it (Engine.shutdown). RPCs run in the worker's main thread, as
         signal.signal requires; pinned by tests/test_generate.py."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -349,10 +450,6 @@ class WorkerExtension:
         finalize_layerwise_reload(model, self.model_runner.model_config)
         self._retie()
 
-    def parameter_names(self) -> list[str]:
-        """The engine model's own parameter names (stacked qkv_proj / gate_up_proj), for tests."""
-        return [name for name, _ in self.model_runner.get_model().named_parameters()]
-
     def _retie(self) -> None:
         """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned
         by the tied-weights test in tests/test_generate.py. On CPU a reload refreshes the embedding
@@ -370,17 +467,18 @@ class WorkerExtension:
 
 class SyncClient:
     """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on
-    vLLM 0.32) over a `generate.Sampler` whose engine runs in another thread's loop; each call
-    blocks until done. The whole engine-side update happens in `update_weights` (the NCCL backend
-    sends one payload per round), so the pause spans exactly that."""
+    vLLM 0.32) over a `generate.Sampler` whose engine's client runs in another thread's loop; each
+    call blocks until done. The whole engine-side update happens in `update_weights` (the NCCL
+    backend sends one payload per round), so the pause spans exactly that."""
 
     def __init__(self, sampler, loop: asyncio.AbstractEventLoop):
-        self.sampler, self.engine = sampler, sampler.engine
+        self.sampler = sampler
+        self.client = sampler.engine.client  # the AsyncLLM that receives
         self._call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._call(
-            self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+            self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
         )
 
     def start_weight_update(self) -> None:
@@ -388,9 +486,9 @@ class SyncClient:
 
     def update_weights(self, update_info) -> None:
         async def transfer():
-            await self.engine.start_weight_update()
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-            await self.engine.finish_weight_update()
+            await self.client.start_weight_update()
+            await self.client.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self.client.finish_weight_update()
 
         version = self.sampler.next_version  # Pipeline.publish_by's label (None: + 1)
         self.sampler.next_version = None  # taken: a later update must not reuse it

@@ -1,45 +1,57 @@
-"""Asynchronous held-out evaluation on an engine of its own: the eval side of pipeline.Pipeline.
+"""Asynchronous held-out evaluation on a vLLM engine of its own: `EvalEngine`.
 
-An eval is a snapshot of one weight version (hard links to the published files: no copy), sampled
-and scored on the eval engine while training goes on, in a thread and event loop of their own (the
-training engine's weights change under its requests); the result comes back tagged with that
-version. At most `max_evals_pending` evals wait or run at once (each holds a snapshot), one at a
-time on the engine, first in first out. The paper's evals block nothing either, but it does not
-say how (arXiv 2510.13786 §7.1: pass rate, the mean reward over n samples per held-out prompt).
+The paper's metric is the pass rate, the mean reward over n samples per held-out prompt (arXiv
+2510.13786 §7.1, appendix A.5); its evals block nothing either, but it does not say how. Here an
+eval is a snapshot of one weight version (hard links to the published files, no copy: the training
+engine deletes them once loaded), sampled and scored on the eval engine while training goes on, in
+a thread and event loop of their own (`infra.engine.SamplerThread`; the training engine's weights
+change under its requests); the result comes back tagged with that version. At most
+`max_evals_pending` evals wait or run at once (each holds a snapshot), one at a time on the
+engine, first in first out. infra/generator.py starts it beside the pipeline, infra/records.py
+(RunLog) submits evals and logs their results, train.py closes it. Exercised by `pytest
+tests/test_pipeline.py` and `python train.py --steps 2 --eval-every 2`:
 
-`Evals` is a mixin of pipeline.Pipeline, which calls `_init_evals` and `_start_evals` from its
-constructor and `_close_eval` from close(), and provides the lock `_cv` and `_closed`, `_check`,
-`_wait_until`, `_fail`, `_poke`, `_on_loop`, `_root`, `reward_fn`, `reward_timeout`,
-`gen_timeout`. Exercised by `pytest tests/test_pipeline.py`:
+    eval_engine = EvalEngine(model_dir, weight_dirs=pipe.weight_dirs)  # starts in the background
+    eval_engine.submit(heldout, 16, version=v + 1, weights=that_dir)  # before publish; at once
+    for result in eval_engine.results(): ...  # the evals done since the last call, in order
 
-    pipe.submit_eval(heldout, 16, version=v + 1, weights=that_dir)  # before publish; at once
-    for result in pipe.eval_results(): ...  # the evals done since the last call, in order
+Where it departs from the paper, and why:
+1. Evals run on an engine of their own, one weight version at a time, asynchronously (issue 10):
+   an eval of the training engine would mix versions (in-flight updates) and slow training; the
+   result is logged steps after the step it measured, against that step's compute.
+2. Beside the paper's pass rate, one greedy sample per prompt (eval/greedy_pass_rate, logged,
+   never fitted), and per-task rates in a run of several tasks.
 """
 
 import asyncio
+import atexit
 import collections
-import os
-import shutil
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import generate
-from infra.weight_dirs import snapshot
-from producer import score
+import pipeline
+from infra import engine
+from infra.weight_dirs import WeightDirs
+from tasks import math_reward
+
+# evals waiting or running at once: one sampling on the eval engine, one snapshot waiting for it
+EVALS_PENDING = 2
 
 
 @dataclass
 class EvalResult:
-    """A finished eval (Pipeline.submit_eval): what it measured, and the caller's tag as is."""
+    """A finished eval (EvalEngine.submit): what it measured, and the caller's tag as is."""
 
     version: int  # the trainer version evaluated: every sampled token came from its weights
     tag: dict  # the caller's (train.py: the step and compute clock of that version)
     metrics: dict[str, float]  # eval_metrics + eval/version
     records: list[dict]  # one per sampled completion: index, sample, text, gold, reward, ...
-    queued_s: float  # seconds from submit_eval until its snapshot was loaded
+    queued_s: float  # seconds from submit until its snapshot was loaded
     eval_s: float  # seconds from then until scored
 
 
@@ -50,7 +62,7 @@ class EvalJob:
     temperature: float | None
     greedy: bool
     version: int
-    weights: str  # directory to load; a snapshot in the pipeline's root when `owned`
+    weights: str  # directory to load; a snapshot in the weight_dirs root when `owned`
     owned: bool  # a snapshot: deleted once loaded
     tag: dict
     submitted: float = field(default_factory=time.perf_counter)
@@ -120,54 +132,73 @@ def eval_records(prompts, version: int, groups, scored) -> tuple[list[dict], lis
     return records, greedy
 
 
-def check_evaluator(evaluator, eval_loop, max_evals_pending: int) -> None:
-    """Raise ValueError unless max_evals_pending >= 1 and the evaluator is None, a model directory
-    (an engine of the pipeline's own) or a running Sampler given with its eval_loop."""
-    if max_evals_pending < 1 or (
-        evaluator is not None and isinstance(evaluator, str) == (eval_loop is not None)
+class EvalEngine:
+    """The held-out evals of a run, on an engine of their own (see the module docstring); use it
+    as a context manager, or close() it.
+
+    model: a model directory (the engine starts in the background, `generate.Sampler.create(model,
+    **sampler_kwargs)` in a thread and event loop of its own: the constructor does not wait for it,
+    `wait_started` does; shut down on close), or a running Sampler with `loop`, the event loop
+    running it in another thread (borrowed: left running). reward_fn, reward_timeout: as
+    pipeline.Pipeline's. gen_timeout: an eval fails after so long without one of its requests
+    finishing, or a load of its weights. weight_dirs: the directories published versions are saved
+    in (pipeline.Pipeline.weight_dirs); a version submitted from one of them is snapshotted there
+    first; None: every directory is read in place. max_evals_pending: evals waiting or running at
+    once (`submit`). stop: polled (pipeline.POLL_S) by every wait; once it returns True they raise
+    pipeline.Stopped. Raises ValueError for a model without its matching loop; the engine's start
+    errors reach the next wait (and `results`).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        sampler_kwargs: dict | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        reward_fn=math_reward.math_rewards,
+        reward_timeout: float = 5.0,
+        gen_timeout: float = 3600.0,
+        weight_dirs: WeightDirs | None = None,
+        max_evals_pending: int = EVALS_PENDING,
+        stop: Callable[[], bool] | None = None,
     ):
-        raise ValueError(
-            "need max_evals_pending >= 1, and as evaluator a model directory or a running "
-            "Sampler together with its eval_loop"
-        )
-
-
-class Evals:
-    """pipeline.Pipeline's eval side (a mixin: see the module docstring)."""
-
-    def _init_evals(self, max_evals_pending: int) -> None:
-        self.max_evals_pending = max_evals_pending
-        self._evals: collections.deque[EvalJob] = collections.deque()  # waiting or running
-        self._evals_done: collections.deque[EvalResult] = collections.deque()
-        self._eval_ready = threading.Event()  # set once the eval engine started (or failed to)
-        self._eval_thread = None
-        self._eval_worker = None
-        self.eval_sampler = None
-        self._eval_loaded = None  # (weights directory, version label) the eval engine holds
-        self._eval_wake = asyncio.Event()  # bound to the eval loop at first wait
-        # eval grading apart: an eval's thousands of completions never hold up a training group's
-        self._eval_executor = ThreadPoolExecutor(2, thread_name_prefix="pipeline-eval-reward")
-
-    def _start_evals(self, evaluator, eval_loop, kwargs: dict | None) -> None:
-        """Start the eval thread's work on `evaluator` (see Pipeline), if any."""
-        if evaluator is None:
-            self._eval_ready.set()  # nothing to start: wait_eval_engine returns at once
-            return
-        if isinstance(evaluator, str):  # after the training engine: environments never mix
-            self.eval_loop = asyncio.new_event_loop()
-            self._eval_thread = threading.Thread(
-                target=self.eval_loop.run_forever, name="pipeline-eval", daemon=True
+        if isinstance(model, str) == (loop is not None):
+            raise ValueError(
+                "need as the eval engine a model directory, or a running Sampler together with "
+                "its event loop"
             )
-            self._eval_thread.start()
-            work = self._eval_engine(evaluator, kwargs or {})
+        self.reward_fn = reward_fn
+        self.reward_timeout = reward_timeout
+        self.gen_timeout = gen_timeout
+        self.weight_dirs = weight_dirs
+        self.max_evals_pending = max_evals_pending
+        self._state = pipeline.SharedState("eval engine", stop, self._dead)
+        self._jobs: collections.deque[EvalJob] = collections.deque()  # waiting or running
+        self._done: collections.deque[EvalResult] = collections.deque()
+        self._ready = threading.Event()  # set once the engine started (or failed to)
+        self._loaded = None  # (weights directory, version label) the engine holds
+        self._wake = asyncio.Event()  # bound to the engine's loop at first wait
+        self._down = None  # close()'s answer: True once nothing of the engine runs
+        # eval grading apart: an eval's thousands of completions never hold up a training group's
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="eval-reward")
+        atexit.register(self.close)
+        start = None  # the owned engine's start, in the background
+        if isinstance(model, str):
+            self._thread = engine.SamplerThread("eval-engine")
+            start = self._thread.start(generate.Sampler.create(model, **(sampler_kwargs or {})))
         else:
-            self.eval_loop = eval_loop
-            self.eval_sampler = evaluator
-            self._eval_ready.set()
-            work = self._eval_engine(None, {})
-        self._eval_worker = asyncio.run_coroutine_threadsafe(work, self.eval_loop)
+            self._thread = engine.SamplerThread("eval-engine", model, loop)
+            self._ready.set()
+        self.sampler = self._thread.sampler  # an owned one's once started
+        self._worker = self._thread.submit(self._work(model, start))
 
-    def submit_eval(
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def submit(
         self,
         prompts,
         n: int,
@@ -179,127 +210,144 @@ class Evals:
         tag: dict | None = None,
     ) -> None:
         """Queue an eval of trainer version `version` and return at once: n samples of each prompt
-        (temperature: the eval engine's default; 0 is greedy) on the weights in `weights`, scored;
+        (temperature: the engine's default; 0 is greedy) on the weights in `weights`, scored;
         greedy=True adds one greedy sample per prompt (eval/greedy_pass_rate, never in records). A
-        directory in the pipeline's root (`weights_dir`) is snapshotted first (hard links, no
-        copy), so call this before `publish` hands it to the training engine, which deletes it
-        once loaded; any other directory (the start model) is read in place and left alone. The
-        eval runs on the eval engine once the evals before it are done; its EvalResult comes back
-        from `eval_results` with `tag`, the same object (the caller may fill it in meanwhile).
-        Raises RuntimeError when there is no evaluator or `max_evals_pending` evals are pending
-        already (`wait_evals(max_evals_pending - 1)` first), Stopped once stop() is True, the
-        pipeline's error if it failed; OSError if `weights` cannot be read."""
-        with self._cv:
-            self._check()
-            if self._eval_worker is None:
-                raise RuntimeError("this pipeline has no evaluator")
-            if len(self._evals) >= self.max_evals_pending:
+        directory of `weight_dirs` is snapshotted first (hard links, no copy), so call this before
+        pipeline.Pipeline.publish hands it to the training engine, which deletes it once loaded;
+        any other directory (the start model) is read in place and left alone. The eval runs once
+        the evals before it are done; its EvalResult comes back from `results` with `tag`, the same
+        object (the caller may fill it in meanwhile). Raises RuntimeError when `max_evals_pending`
+        evals are pending already (`wait(max_evals_pending - 1)` first), pipeline.Stopped once
+        stop() is True, the engine's error if it failed; OSError if `weights` cannot be read."""
+        with self._state.cv:
+            self._state.check()
+            if len(self._jobs) >= self.max_evals_pending:
                 raise RuntimeError(
-                    f"{len(self._evals)} evals pending already (max_evals_pending); "
-                    "wait_evals first"
+                    f"{len(self._jobs)} evals pending already (max_evals_pending); wait first"
                 )
-        owned = os.path.dirname(os.path.abspath(weights)) == self._root
+        owned = self.weight_dirs is not None and self.weight_dirs.owns(weights)
         if owned:  # the training engine may delete `weights` once loaded: the eval keeps its own
-            weights = snapshot(weights, self._root, version)
+            weights = self.weight_dirs.snapshot(weights, version)
         job = EvalJob(prompts, n, temperature, greedy, version, weights, owned, tag or {})
-        with self._cv:
-            self._evals.append(job)
-        self._poke(self._eval_wake, self.eval_loop)
+        with self._state.cv:
+            self._jobs.append(job)
+        self._thread.wake(self._wake)
 
-    def wait_eval_engine(self, timeout: float | None = None) -> bool:
-        """Wait until the eval engine has started (the constructor starts an owned one in the
-        background); True then (at once for a borrowed one or none), False after `timeout` s.
-        train.py waits before its first step, so that a Ctrl-C never meets vLLM's processes while
-        they start (their imports would print tracebacks). Waits in pipeline.POLL_S slices. Raises
-        the engine's start error, Stopped once stop() is True, RuntimeError once closed."""
-        with self._cv:
-            if not self._wait_until(self._eval_ready.is_set, timeout):
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Wait until the engine has started (the constructor starts an owned one in the
+        background); True then (at once for a borrowed one), False after `timeout` s. train.py
+        waits before its first step, so that a Ctrl-C never meets vLLM's processes while they
+        start (their imports would print tracebacks). Waits in pipeline.POLL_S slices. Raises the
+        engine's start error, pipeline.Stopped once stop() is True, RuntimeError once closed."""
+        with self._state.cv:
+            if not self._state.wait_until(self._ready.is_set, timeout):
                 return False
-            self._check()  # a failed start sets the event too
+            self._state.check()  # a failed start sets the event too
         return True
 
-    def evals_pending(self) -> list[int]:
+    def pending(self) -> list[int]:
         """The versions of the evals submitted and not finished (running first, then waiting)."""
-        with self._cv:
-            return [job.version for job in self._evals]
+        with self._state.cv:
+            return [job.version for job in self._jobs]
 
-    def wait_evals(self, at_most: int = 0, timeout: float | None = None) -> bool:
-        """Wait until at most `at_most` evals are pending (`eval_results` then holds the others);
-        True then, False after `timeout` s. Waits in pipeline.POLL_S slices. Raises Stopped once
-        stop() is True, the pipeline's error (an eval's, the eval engine's start error too),
-        RuntimeError if an engine died or the pipeline is closed."""
-        with self._cv:
-            return self._wait_until(lambda: len(self._evals) <= at_most, timeout)
+    def wait(self, at_most: int = 0, timeout: float | None = None) -> bool:
+        """Wait until at most `at_most` evals are pending (`results` then holds the others); True
+        then, False after `timeout` s. Waits in pipeline.POLL_S slices. Raises pipeline.Stopped
+        once stop() is True, the engine's error (an eval's, the start's), RuntimeError if the
+        engine died or is closed."""
+        with self._state.cv:
+            return self._state.wait_until(lambda: len(self._jobs) <= at_most, timeout)
 
-    def eval_results(self) -> list[EvalResult]:
-        """The evals finished since the last call, in the order they were submitted."""
-        with self._cv:
-            done = list(self._evals_done)
-            self._evals_done = collections.deque()
+    def results(self) -> list[EvalResult]:
+        """The evals finished since the last call, in the order they were submitted. Raises the
+        engine's error (an eval's, the start's) once stored and RuntimeError if the engine died,
+        unless the run is stopping or this is closed: infra/records.py calls this after every
+        step, so a failed eval stops the run at the end of that step."""
+        with self._state.cv:
+            if not self._state.stopping() and not self._state.closed:
+                self._state.check()
+            done = list(self._done)
+            self._done.clear()
         return done
 
-    def _close_eval(self, left) -> bool:
-        """close()'s part for the eval engine: True once nothing of it runs (an owned engine shut
-        down, its thread joined), False if it is still starting after what is `left()` of the
-        budget."""
-        if self._eval_thread is None:
-            return True
-        if not self._eval_ready.wait(left()):
-            return False
-        if self.eval_sampler is not None:
-            self.eval_sampler.shutdown(timeout=max(left(), 1.0))
-            self._on_loop(asyncio.sleep(0.2), left(), self.eval_loop)
-        self.eval_loop.call_soon_threadsafe(self.eval_loop.stop)
-        self._eval_thread.join(left())
-        if not self._eval_thread.is_alive():
-            self.eval_loop.close()
-        return True
+    def close(self) -> bool:
+        """Abort the running eval (vLLM aborts its requests) and drop the waiting ones, shut an
+        owned engine down and join its thread, end idle reward workers. Idempotent. Returns within
+        about pipeline.CLOSE_TIMEOUT s: True once nothing of the engine runs, False if it is still
+        starting then (it is shut down once started; the run's watchdog ends its processes if this
+        process exits first). Snapshots stay in weight_dirs, whose owner deletes them."""
+        with self._state.cv:
+            if self._state.closed:
+                return self._down
+            self._state.closed = True
+            self._state.cv.notify_all()
+        atexit.unregister(self.close)
+        deadline = time.monotonic() + pipeline.CLOSE_TIMEOUT
+        left = lambda: max(0.0, deadline - time.monotonic())
+        self._worker.cancel()  # vLLM aborts the eval's requests
+        # running reward calls hold workers that math_reward.close() would leave alive
+        waiter = threading.Thread(
+            target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
+        )
+        waiter.start()
+        waiter.join(left())
+        self._down = self._thread.close(left())
+        math_reward.close()
+        return self._down
 
-    async def _eval_engine(self, model: str | None, kwargs: dict) -> None:
-        """The eval thread's work: start an owned eval engine from `model`, then run the queued
-        evals one at a time, first in first out. Its errors reach the trainer's next wait."""
-        if model is not None:
+    def _dead(self) -> str | None:
+        """Why the engine can no longer serve, or None (fakes in tests have no engine)."""
+        if isinstance(self.sampler, generate.Sampler):
+            return self.sampler.engine.dead()
+        return None
+
+    async def _work(self, model, start) -> None:
+        """The engine thread's work: wait for an owned engine's `start`, then run the queued evals
+        one at a time, first in first out. Its errors reach the trainer's next wait."""
+        if start is not None:
             try:
-                self.eval_sampler = await generate.Sampler.create(model, **kwargs)
-                self._eval_loaded = (model, self.eval_sampler.version)
+                # shielded: close() cancels this, and the start must end by itself (SamplerThread)
+                self.sampler = await asyncio.shield(asyncio.wrap_future(start))
+                self._loaded = (model, self.sampler.version)
             except Exception as exc:
-                return self._fail(exc, "starting the eval engine")
+                return self._state.fail(exc, "starting the eval engine")
             finally:
-                self._eval_ready.set()  # after _fail: wait_eval_engine finds a start's error
-                with self._cv:
-                    self._cv.notify_all()  # wakes wait_eval_engine
-            with self._cv:
-                closed = self._closed
-            if closed:  # close() stopped waiting for the start: nothing else will stop it
-                return self.eval_sampler.shutdown()
+                self._ready.set()  # after fail: wait_started finds a start's error
+                with self._state.cv:
+                    self._state.cv.notify_all()  # wakes wait_started
         try:
             while True:
-                await self._eval_wake.wait()
-                self._eval_wake.clear()
-                await self._run_queued_evals()
+                await self._wake.wait()
+                self._wake.clear()
+                await self._run_queued()
         except Exception as exc:  # a load, sampling, a reward function
-            with self._cv:
-                job = self._evals[0] if self._evals else None
-            self._fail(exc, f"evaluating version {job.version if job else '?'}")
+            with self._state.cv:
+                job = None
+                if self._jobs:
+                    job = self._jobs[0]
+            version = "?"
+            if job is not None:
+                version = job.version
+            self._state.fail(exc, f"evaluating version {version}")
 
-    async def _run_queued_evals(self) -> None:
+    async def _run_queued(self) -> None:
         """Run the queued evals, first in first out, until the queue is empty."""
         while True:
-            with self._cv:
-                job = self._evals[0] if self._evals else None
-            if job is None:
-                return
+            with self._state.cv:
+                if not self._jobs:
+                    return
+                job = self._jobs[0]
             result = await self._run_eval(job)
-            with self._cv:
-                self._evals.popleft()
-                self._evals_done.append(result)
-                self._cv.notify_all()
+            with self._state.cv:
+                self._jobs.popleft()
+                self._done.append(result)
+                self._state.cv.notify_all()
 
     async def _run_eval(self, job: EvalJob) -> EvalResult:
         """Load the job's weights into the idle eval engine (unless it holds them), sample, check
         that every sampled token came from those weights, score -> EvalResult."""
-        sampler = self.eval_sampler
-        await self._load_eval_weights(job)
+        sampler = self.sampler
+        await self._load_weights(job)
         loaded = sampler.version
         t0 = time.perf_counter()
         requests = [(p, job.n, job.temperature) for p in job.prompts]
@@ -320,8 +368,8 @@ class Evals:
             )
         scored = await asyncio.gather(
             *[
-                score(
-                    self.reward_fn, p, [c.text for c in g], self._eval_executor, self.reward_timeout
+                pipeline.score(
+                    self.reward_fn, p, [c.text for c in g], self._executor, self.reward_timeout
                 )
                 for (p, _, _), g in zip(requests, groups, strict=True)
             ]
@@ -332,12 +380,12 @@ class Evals:
         eval_s = time.perf_counter() - t0
         return EvalResult(job.version, job.tag, metrics, records, queued_s, eval_s)
 
-    async def _load_eval_weights(self, job: EvalJob) -> None:
-        """Load the job's weights into the eval engine, labelled with the job's version, unless it
+    async def _load_weights(self, job: EvalJob) -> None:
+        """Load the job's weights into the engine, labelled with the job's version, unless it
         holds them already; a snapshot is deleted once read (or failed)."""
-        sampler = self.eval_sampler
+        sampler = self.sampler
         try:
-            if self._eval_loaded == (job.weights, sampler.version):
+            if self._loaded == (job.weights, sampler.version):
                 return
             try:
                 async with asyncio.timeout(self.gen_timeout):
@@ -347,10 +395,10 @@ class Evals:
                     f"the eval engine did not load the weights of version {job.version} "
                     f"within gen_timeout={self.gen_timeout} s"
                 ) from exc
-            self._eval_loaded = (job.weights, sampler.version)
+            self._loaded = (job.weights, sampler.version)
         finally:
             if job.owned:  # read to the end (or failed): the snapshot goes
-                shutil.rmtree(job.weights, ignore_errors=True)
+                self.weight_dirs.remove(job.weights)
 
     async def _progressing(self, coros: list, what: str) -> list:
         """asyncio.gather(*coros) for an eval's requests, which queue in the eval engine behind

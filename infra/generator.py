@@ -1,17 +1,26 @@
-"""The vLLM side of a run, driven from the trainer: rank 0's pipeline (producer thread, sampler and
-eval engine; pipeline.py) started from the run's current weights, and each step's weights pushed
-to it (in flight, PipelineRL §3.1; or once per round, PPO-off-policy-k).
+"""The vLLM side of a run, driven from the trainer: rank 0's two engines (`Engines`: the pipeline's
+training engine, pipeline.py, and the eval engine, infra/evals.py) started from the run's current
+weights, with what they share (the weight directories, the watchdog over both engines' processes),
+and each step's weights pushed to the pipeline (in flight, PipelineRL §3.1; or once per round,
+PPO-off-policy-k, appendix A.11).
 
-    python train.py --steps 2 --eval-every 2   # train.main starts the pipeline and pushes weights
+    python train.py --steps 2 --eval-every 2   # train.main starts the engines and pushes weights
 
-Sampler weights are bf16 on GPU and fp32 on CPU (--gen-dtype auto); the trainer keeps fp32 masters.
+Where it departs from the paper, and why:
+1. Sampler weights are bf16 on GPU and fp32 on CPU (--gen-dtype auto); the trainer keeps fp32
+   masters (the paper does not say).
+2. On CPU the eval engine runs at the lowest CPU priority on one core, and evals may queue for
+   many steps (`max_evals_pending`) rather than stall training.
 Importing this module imports vLLM (~10 s): train.py does it once the inputs have loaded.
 """
 
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,8 +28,9 @@ import torch.distributed as dist
 import generate
 import pipeline
 from config import Args
-from infra import checkpoint, engine
+from infra import checkpoint, engine, evals, watchdog
 from infra.launch import free_port, rank0_call
+from infra.weight_dirs import VERSIONS_ALIVE, WeightDirs, weights_parent
 
 EVAL_NICE = 19  # the eval engine's CPU priority when it shares the CPU with the trainer (lowest)
 
@@ -35,8 +45,8 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
     pipeline releases the version (pipe.publish_by), every rank joining the gathers.
     snapshot (every rank or none; an eval step): called on rank 0 with a directory holding the
     version's weights (with None elsewhere) before the sampler may load and delete it, for
-    pipe.submit_eval to snapshot. Under "nccl" that directory is written for it (an export, every
-    rank joining, once per eval) and deleted after."""
+    the eval engine to snapshot (EvalEngine.submit). Under "nccl" that directory is written for it
+    (an export, every rank joining, once per eval) and deleted after."""
     if backend == "disk":
 
         def push(version: int, snapshot=None) -> None:
@@ -88,11 +98,11 @@ def start_weights(args: Args, run_dir: str, policy, inputs) -> str | None:
     return start_dir
 
 
-def engine_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int) -> tuple:
-    """(sampler, eval engine): the keyword arguments of the two vLLM engines (generate.Sampler),
-    from the flags and the placement plan. On CPU the eval engine takes the cycles the trainer
-    leaves (nice EVAL_NICE)."""
-    sampler = dict(
+def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int) -> tuple:
+    """(sampler_kwargs, eval_sampler_kwargs): the keyword arguments of the two samplers
+    (generate.Sampler, each with its vLLM engine), from the flags and the placement plan. On CPU
+    the eval engine takes the cycles the trainer leaves (nice EVAL_NICE)."""
+    train_kwargs = dict(
         think_budget=tuple(args.think_budget),
         answer_budget=args.answer_budget,
         phrase=args.phrase,
@@ -110,8 +120,8 @@ def engine_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int)
         interruptions=args.interruptions,
         fp32_head=args.fp32_head,
     )
-    eval_engine = dict(
-        sampler,
+    eval_kwargs = dict(
+        train_kwargs,
         gpus=plan.eval.gpus,
         tensor_parallel_size=plan.eval.tp,
         data_parallel_size=plan.eval.dp,
@@ -120,8 +130,8 @@ def engine_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int)
         weight_transfer="disk",  # snapshots: an eval loads one version, once
     )
     if not torch.cuda.is_available():  # one device: the eval engine gets what the trainer leaves
-        eval_engine.update(nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
-    return sampler, eval_engine
+        eval_kwargs.update(nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
+    return train_kwargs, eval_kwargs
 
 
 def max_evals_pending(args: Args, weights_bytes: int) -> int:
@@ -130,9 +140,9 @@ def max_evals_pending(args: Args, weights_bytes: int) -> int:
     queue, each a snapshot of hard links to one published version, up to 1 GiB of them (the tiny
     model: every eval of the run); the run's end waits for them (issue 10)."""
     if torch.cuda.is_available():
-        return pipeline.EVALS_PENDING
+        return evals.EVALS_PENDING
     queued = min(args.steps // args.eval_every + 2, 2**30 // weights_bytes)
-    return max(pipeline.EVALS_PENDING, queued)
+    return max(evals.EVALS_PENDING, queued)
 
 
 def transfer_backend(args: Args, plan) -> str:
@@ -143,7 +153,43 @@ def transfer_backend(args: Args, plan) -> str:
     return engine.weight_transfer_backend(args.weight_transfer, cuda=cuda, dedicated=plan.dedicated)
 
 
-def new_pipeline(
+@dataclass
+class Engines:
+    """Rank 0's two vLLM engines and what they share; every field None on the other ranks. pipe:
+    the pipeline, on the training engine; eval_engine: the held-out evals, on an engine of their
+    own; weight_dirs: the directories published versions are saved in (the eval engine snapshots
+    them there); dog: the watchdog (infra/watchdog.py) that ends both engines' processes and
+    deletes weight_dirs if this process is killed. train.py's `finally` calls close()."""
+
+    pipe: pipeline.Pipeline | None = None
+    eval_engine: evals.EvalEngine | None = None
+    weight_dirs: WeightDirs | None = None
+    dog: subprocess.Popen | None = None
+
+    def close(self) -> None:
+        """Close both engines side by side (each shutdown may take seconds; each returns within
+        pipeline.CLOSE_TIMEOUT), then delete the weight directories and stop the watchdog, unless
+        the eval engine was still starting: then the watchdog ends it once this process exits."""
+        eval_down = []  # [True]: nothing of the eval engine runs; [False]: it is still starting
+        closer = None
+        if self.eval_engine is not None:
+            closer = threading.Thread(
+                target=lambda: eval_down.append(self.eval_engine.close()), daemon=True
+            )
+            closer.start()
+        if self.pipe is not None:
+            self.pipe.close()
+        if closer is not None:
+            closer.join(pipeline.CLOSE_TIMEOUT)
+        if self.weight_dirs is not None:
+            self.weight_dirs.close()
+        if self.dog is None:
+            return
+        if self.eval_engine is None or eval_down == [True]:
+            watchdog.stop(self.dog)
+
+
+def new_engines(
     args: Args,
     inputs,
     weights: str,
@@ -153,54 +199,67 @@ def new_pipeline(
     run_dir: str,
     stop: dict,
     backend: str,
-):
-    """Rank 0: the pipeline (pipeline.Pipeline: producer thread, sampler, eval engine) sampling
-    `prompts` from `pool`, started from `weights` at trainer version `version`, once its eval
-    engine runs (so that no Ctrl-C meets it starting; closed if it fails). inputs: loading.Inputs
-    (placement plan, P, reward functions, sampler dtype)."""
+) -> Engines:
+    """Rank 0: the weight directories (on /dev/shm if it holds every version alive and every eval
+    snapshot, else in the run directory), the watchdog (before either engine's processes exist),
+    the pipeline (pipeline.Pipeline) sampling `prompts` from `pool`, started from `weights` at
+    trainer version `version`, and the eval engine (evals.EvalEngine), returned once it runs (so
+    that no Ctrl-C meets it starting); all closed if any fails. inputs: loading.Inputs (placement
+    plan, P, reward functions, sampler dtype)."""
     plan = inputs.plan
     P = inputs.P
     weights_bytes = inputs.n_params * inputs.gen_dtype.itemsize  # one version, as vLLM loads it
     seed = args.seed + version
-    sampler, eval_engine = engine_kwargs(args, plan, inputs.gen_dtype, backend, seed=seed)
+    train_kwargs, eval_kwargs = sampler_kwargs(args, plan, inputs.gen_dtype, backend, seed=seed)
     # a group may wait behind every rollout in flight, each up to max_model_len tokens
     gen_timeout = args.gen_timeout or pipeline.group_timeout(
         args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
     )
-    pipe = pipeline.Pipeline(
-        weights,
-        prompts,
-        pool,
-        group_size=args.group_size,
-        prompts_per_step=P,
-        max_lag=args.max_lag,
-        mode=args.async_mode,
-        max_inflight=2 * P,
-        reward_fn=inputs.reward_fn,
-        sampler_kwargs=sampler,
-        gen_timeout=gen_timeout,
-        version=version,
-        weights_bytes=weights_bytes,
-        spill_dir=run_dir,
-        stop=lambda: stop["requested"],
-        evaluator=weights,
-        eval_sampler_kwargs=eval_engine,
-        max_evals_pending=max_evals_pending(args, weights_bytes),
-    )
+    pending = max_evals_pending(args, weights_bytes)
+    parent = weights_parent(weights_bytes, run_dir, versions=VERSIONS_ALIVE + pending)
+    engines = Engines(weight_dirs=WeightDirs(parent))
     try:
-        pipe.wait_eval_engine()
+        engines.dog = watchdog.start([engines.weight_dirs.root])  # before any engine process
+        engines.pipe = pipeline.Pipeline(
+            weights,
+            prompts,
+            pool,
+            group_size=args.group_size,
+            prompts_per_step=P,
+            max_lag=args.max_lag,
+            mode=args.async_mode,
+            max_inflight=2 * P,
+            reward_fn=inputs.reward_fn,
+            sampler_kwargs=train_kwargs,
+            gen_timeout=gen_timeout,
+            version=version,
+            weight_dirs=engines.weight_dirs,
+            stop=lambda: stop["requested"],
+        )
+        # after the training engine, in the background: their starts never mix
+        engines.eval_engine = evals.EvalEngine(
+            weights,
+            sampler_kwargs=eval_kwargs,
+            reward_fn=inputs.reward_fn,
+            gen_timeout=gen_timeout,
+            weight_dirs=engines.weight_dirs,
+            max_evals_pending=pending,
+            stop=lambda: stop["requested"],
+        )
+        engines.eval_engine.wait_started()
     except BaseException:
-        pipe.close()
+        engines.close()
         raise
-    return pipe
+    return engines
 
 
 def warn_if_kv_short(pipe, plan, args: Args) -> None:
     """Rank 0: a warning when vLLM's measured KV cache holds fewer sequences than the plan's
     estimate (max_num_seqs), so that long rollouts may preempt one another."""
-    if pipe.sampler.kv_capacity < plan.max_num_seqs:
+    kv_capacity = pipe.sampler.engine.kv_capacity
+    if kv_capacity < plan.max_num_seqs:
         print(
-            f"warning: vLLM's KV cache holds {pipe.sampler.kv_capacity} sequences of "
+            f"warning: vLLM's KV cache holds {kv_capacity} sequences of "
             f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
             f"{plan.max_num_seqs}: long rollouts may preempt one another",
             flush=True,
@@ -234,11 +293,12 @@ def start(
     step: int,
     stop: dict,
 ):
-    """Every rank: rank 0's pipeline (new_pipeline) sampling `prompts` from `pool`, started from the
-    current weights (the model path, or on --resume the restored weights exported to a temporary
-    start directory) while the other ranks poll (rank0_call); the run's one-line description; and
-    the function that pushes each step's weights to the sampler (weight_pusher). Returns (pipe:
-    None except on rank 0, push_weights, start_dir: rank 0's, to delete at the end)."""
+    """Every rank: rank 0's engines (new_engines: the pipeline sampling `prompts` from `pool`, the
+    eval engine), started from the current weights (the model path, or on --resume the restored
+    weights exported to a temporary start directory) while the other ranks poll (rank0_call); the
+    run's one-line description; and the function that pushes each step's weights to the sampler
+    (weight_pusher). Returns (engines: Engines, all None except on rank 0, push_weights,
+    start_dir: rank 0's, to delete at the end)."""
     master = dist.get_rank() == 0
     start_dir = start_weights(args, run_dir, policy, inputs)
     weights = start_dir or inputs.path
@@ -246,19 +306,21 @@ def start(
     if master:  # the engine's processes: warnings and errors only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
-    pipe = rank0_call(
-        lambda: new_pipeline(args, inputs, weights, prompts, pool, step, run_dir, stop, backend)
+    engines = rank0_call(
+        lambda: new_engines(args, inputs, weights, prompts, pool, step, run_dir, stop, backend)
     )
+    if engines is None:  # the other ranks: no engines
+        engines = Engines()
     if master:
         # vLLM's handler, set up as the engine started: after a Ctrl-C, its death is no news
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(lambda record: not stop["requested"])
         line = run_line(args, inputs, run_dir, meta, world, device, backend, eval_prompts, prompts)
         print(line, flush=True)
-        warn_if_kv_short(pipe, inputs.plan, args)
+        warn_if_kv_short(engines.pipe, inputs.plan, args)
     engine_ranks = inputs.plan.tp * inputs.plan.dp  # the sampler's vLLM workers: tp x dp
-    push_weights = weight_pusher(policy, pipe, backend, inputs.gen_dtype, engine_ranks)
-    return pipe, push_weights, start_dir
+    push_weights = weight_pusher(policy, engines.pipe, backend, inputs.gen_dtype, engine_ranks)
+    return engines, push_weights, start_dir
 
 
 def next_batch(pipe, version: int):

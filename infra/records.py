@@ -1,5 +1,5 @@
 """A run's records, kept by rank 0: metrics.jsonl and samples.jsonl (and W&B), the held-out evals
-queued on the pipeline's eval engine and logged as they finish, the eval history with its live
+queued on the eval engine (infra/evals.py) and logged as they finish, the eval history with its live
 sigmoid fit (curve_fit, Eq. 1) and the final ones (final_fit: the first half, §5, and the whole
 run), and the checkpoints.
 
@@ -10,6 +10,12 @@ Each metrics.jsonl line carries the compute clock of the weights it measured: gp
 (device-hours), tokens (generated + trained) and flops (2 N per generated token, 6 N per trained
 token). An eval's line comes steps after the step it measured, in the order the evals were
 submitted, with eval/logged_at_step.
+
+Where it departs from the paper (arXiv 2510.13786: pass rate §7.1 and A.5, the fit §5), and why:
+1. Evals are asynchronous (infra/evals.py): an eval's line is logged late, against the step and
+   compute clock of the weights it measured, not those of the step that logged it.
+2. gpu_hours counts the distinct devices of trainer and generators (the paper: GB200-hours); on
+   CPU the machine counts as one device.
 """
 
 import bisect
@@ -145,10 +151,10 @@ class RunLog:
     the step loop and the waits for evals advance the clock in place. `saved`: the step of the
     newest checkpoint (None before the first)."""
 
-    def __init__(self, args: Args, run_dir: str, pipe, eval_prompts, state: dict, inputs):
+    def __init__(self, args: Args, run_dir: str, eval_engine, eval_prompts, state: dict, inputs):
         self.args = args
         self.run_dir = run_dir
-        self.pipe = pipe  # rank 0's pipeline.Pipeline (None on the other ranks)
+        self.eval_engine = eval_engine  # rank 0's evals.EvalEngine (None on the other ranks)
         self.eval_prompts = eval_prompts
         self.history = state["history"]
         self.clock = state["clock"]
@@ -228,7 +234,7 @@ class RunLog:
         c["train_tokens"] += m["train/tokens"]
         c["flops"] += 2 * n_params * m["gen/tokens"] + 6 * n_params * m["train/tokens"]
         m["time/step_s"] = seconds
-        m["eval/pending"] = len(self.pipe.evals_pending())
+        m["eval/pending"] = len(self.eval_engine.pending())
         tag["clock"] = dict(c)
         self.write({"step": step, **clock_fields(c), **m}, step)
         reward = f"{m['train/reward']:.3f}" if "train/reward" in m else "-"
@@ -243,11 +249,11 @@ class RunLog:
 
     def submit_eval(self, weights: str | None, tag: dict) -> None:
         """Rank 0: queue the eval of the weights in `weights` (trainer version tag["step"]) on the
-        eval engine (pipeline.py); tag["clock"], the compute clock of that version, may be filled in
-        later (before log_evals runs). The paper's metric: eval_n samples per held-out prompt at the
-        training temperature; one greedy sample beside it, logged, never fitted."""
+        eval engine (evals.EvalEngine); tag["clock"], the compute clock of that version, may be
+        filled in later (before log_evals runs). The paper's metric: eval_n samples per held-out
+        prompt at the training temperature; one greedy sample beside it, logged, never fitted."""
         try:
-            self.pipe.submit_eval(
+            self.eval_engine.submit(
                 self.eval_prompts,
                 self.args.eval_n,
                 version=tag["step"],
@@ -266,9 +272,9 @@ class RunLog:
         return lambda weights: None
 
     def submit_start_evals(self, step: int, path: str, start_dir: str | None) -> None:
-        """Rank 0, before the first step: R0, the curve's anchor (PAPER.md 8.1), from the start
-        weights `path`; on --resume also the checkpoint's own eval (from `start_dir`) if it had not
-        finished, and R0 again if a Ctrl-C abandoned it."""
+        """Rank 0, before the first step: R0, the curve's anchor (Eq. 1's pass rate at the start),
+        from the start weights `path`; on --resume also the checkpoint's own eval (from
+        `start_dir`) if it had not finished, and R0 again if a Ctrl-C abandoned it."""
         if not self.master:
             return
         done = {h["step"] for h in self.history}
@@ -284,7 +290,7 @@ class RunLog:
         """Rank 0: every eval finished since the last call gets its metrics.jsonl line against the
         step, weight version and compute clock it measured (logged later, in the order submitted),
         its samples, its place in the history (compute order) and the live fit (fit/*)."""
-        for r in self.pipe.eval_results():
+        for r in self.eval_engine.results():
             at, c = r.tag["step"], r.tag["clock"]
             if self.thinking and self.first_eval:
                 warning = data.thinking_warning(r.records)
@@ -317,8 +323,9 @@ class RunLog:
         def wait() -> bool:
             t0 = time.perf_counter()
             try:
-                while not done(self.pipe.evals_pending()):
-                    self.pipe.wait_evals(len(self.pipe.evals_pending()) - 1, timeout=HEARTBEAT_S)
+                while not done(self.eval_engine.pending()):
+                    at_most = len(self.eval_engine.pending()) - 1
+                    self.eval_engine.wait(at_most, timeout=HEARTBEAT_S)
                     self.log_evals(step)
             except pipeline.Stopped:
                 self.log_evals(step)  # those that finished before the stop are kept
@@ -339,7 +346,7 @@ class RunLog:
         holds the wait. False if a stop (Ctrl-C) cut it short: then no eval this step."""
         return self.await_evals(
             step,
-            lambda pending: len(pending) < self.pipe.max_evals_pending,
+            lambda pending: len(pending) < self.eval_engine.max_evals_pending,
             "room in the eval queue (evals are slower than --eval-every steps)",
             count=False,
         )
@@ -357,7 +364,9 @@ class RunLog:
             step, lambda pending: all(v >= last for v in pending), "earlier evals at the checkpoint"
         )
         if not finished:
-            lost = self.pipe.evals_pending() if self.master else []
+            lost = []
+            if self.master:
+                lost = self.eval_engine.pending()
             if lost:
                 again = f"; step {step}'s runs again on --resume" if step in lost else ""
                 print(

@@ -16,8 +16,12 @@ none, and it also covers the multiprocessing resource tracker and the reward wor
 trainer instead of waiting for EOF on a pipe from it, because vLLM forks its engine from the
 trainer, so the engine would hold the pipe open.
 
-    proc = watchdog.start([weights_dir])    # in the trainer, before starting the engine
-    watchdog.stop(proc)                      # after a normal shutdown
+    proc = watchdog.start([weights_root])   # infra/generator.py, before either engine starts
+    watchdog.stop(proc)                      # after a normal shutdown (generator.Engines.close)
+
+Exercised by `pytest tests/test_watchdog.py` and, on a real run killed with SIGKILL,
+tests/test_train.py. Plumbing the paper (arXiv 2510.13786) does not describe, so no departures
+from it: 1. none.
 """
 
 import contextlib

@@ -1,10 +1,17 @@
 """Where the weight versions handed to the engines live: a directory per run, on /dev/shm if room.
 
-The trainer saves each published version into a fresh directory of the run's root
-(pipeline.Pipeline.weights_dir), the sampler loads it from there and the pipeline deletes it; an
-eval keeps its version as a snapshot of hard links (no copy). The root is named after the process
-that owns it, so a later run deletes what a killed one left behind. Exercised by `pytest
-tests/test_pipeline.py`.
+Plumbing for PipelineRL's in-flight weight updates (arXiv 2510.13786 §3.1): the trainer saves each
+published version into a fresh directory of the run's root (`WeightDirs.new`, through
+pipeline.Pipeline.weights_dir), the training engine loads it from there and the pipeline deletes
+it; the eval engine (infra/evals.py) keeps the version it evaluates as a snapshot of hard links in
+the same root (`WeightDirs.snapshot`, no copy). The root is named after the process that owns it,
+so a later run deletes what a killed one left behind; the run's watchdog deletes it too. Exercised
+by `pytest tests/test_pipeline.py`.
+
+Where it departs from the paper, and why (the paper does not say how weights reach its
+generators):
+1. Weights travel as safetensors directories on /dev/shm (RAM-backed) when it has room, else in
+   the run directory (`weights_parent`); the NCCL path (infra/engine.py) skips the disk.
 """
 
 import glob
@@ -50,7 +57,7 @@ def weights_parent(
 ) -> str | None:
     """Where weight versions are written for the disk path: `shm` (RAM-backed) when it exists and
     has room for `versions` versions of `weights_bytes` each (parameters x the sampler dtype's
-    bytes; the Pipeline counts VERSIONS_ALIVE + its eval snapshots), else `fallback` (the run
+    bytes; infra/generator.py counts VERSIONS_ALIVE + the eval snapshots), else `fallback` (the run
     directory; None: the system temp dir, weights_root's default). Containers often give /dev/shm
     64 MB, an 8B model needs 49 GB. free_bytes(path) -> bytes free there (default:
     shutil.disk_usage), injectable for tests."""
@@ -73,3 +80,34 @@ def snapshot(weights: str, parent: str, version: int) -> str:
         except OSError:  # a filesystem without hard links
             shutil.copy2(src, dst)
     return out
+
+
+class WeightDirs:
+    """The weight directories of one root (`weights_root(parent)`): fresh ones for published
+    versions (`new`), snapshots for evals (`snapshot`); `remove` and `owns` tell ours from the
+    directories a caller passes in (the start model: never deleted). `close` deletes the root and
+    everything in it. Shared by the pipeline and the eval engine (hard links need one filesystem);
+    closed by whoever made it."""
+
+    def __init__(self, parent: str | None = None):
+        self.root = weights_root(parent)
+
+    def new(self, version: int) -> str:
+        """A fresh directory to save version `version` into."""
+        return tempfile.mkdtemp(prefix=f"v{version}_", dir=self.root)
+
+    def owns(self, path: str) -> bool:
+        """Is `path` a directory of this root (`new`, `snapshot`)?"""
+        return os.path.dirname(os.path.abspath(path)) == self.root
+
+    def snapshot(self, path: str, version: int) -> str:
+        """A snapshot of `path` in this root (see `snapshot`)."""
+        return snapshot(path, self.root, version)
+
+    def remove(self, path: str) -> None:
+        """Delete `path` if it is one of ours; leave any other directory alone."""
+        if self.owns(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

