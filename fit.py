@@ -310,49 +310,6 @@ def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=
 
 
 @dataclass
-class PowerLawFit:
-    """A.4's power law R(C) = A - D / C^B (B >= 0, D >= 0, A <= 1), fitted above a threshold."""
-
-    A: float
-    B: float
-    D: float
-    sse: float
-    n: int
-    converged: bool = True
-    message: str = ""
-
-    def predict(self, C):
-        return self.A - self.D * np.exp(-self.B * np.log(np.asarray(C, dtype=np.float64)))
-
-
-def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
-    """Least-squares fit of A.4's power law to the points with C >= c_min (1-D C, R). A.4: fitted
-    from low compute it overshoots the ceiling (A 1.0 vs the sigmoid's 0.645). Raises as
-    fit_sigmoid; A at its bound 1, a singular Jacobian or a standard error above B or D gives
-    converged=False."""
-    C, R = _validate(C, R, 0.0, c_min)
-    x = np.log(C)
-    u = x - x.mean()  # centred ln C: d = D exp(-B mean ln C) stays O(1) at any compute scale
-    res = lambda p: p[0] - p[2] * np.exp(-p[1] * u) - R
-    jac = lambda p: np.stack([np.ones_like(u), p[2] * u * np.exp(-p[1] * u), -np.exp(-p[1] * u)], 1)
-    scan = []  # for a fixed B the model is linear in (A, d): one linear solve per start slope
-    for B in np.geomspace(0.01, 64.0, 25) / np.ptp(x):
-        X = np.stack([np.ones_like(u), -np.exp(-B * u)], axis=1)
-        (A, d), *_ = np.linalg.lstsq(X, R)
-        scan.append((float(((X @ [A, d] - R) ** 2).sum()), A, B, d))
-    out, problems, se = _lsq(res, jac, [min(scan)[1:]], [-np.inf, 0.0, 0.0], [1.0, np.inf, np.inf])
-    A, B, d = out.x
-    with np.errstate(over="ignore"):  # d = D exp(-B mean ln C), as centred above
-        D = float(d * np.exp(B * x.mean()))
-    if A >= 1 - 1e-9:
-        problems.append("A at its bound 1")
-    if not problems and (se[1:] > out.x[1:]).any():
-        problems.append("standard error above the value of B or D: not determined by the data")
-    msg = "; ".join(problems)
-    return PowerLawFit(float(A), float(B), D, float(2 * out.cost), len(C), not msg, msg)
-
-
-@dataclass
 class Comparison:
     """The §4 comparison rule applied to several runs."""
 
