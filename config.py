@@ -160,6 +160,10 @@ class Args:
     """DAPO / GRPO lower clip"""
     eps_high: float = 0.28
     """DAPO / GRPO upper clip"""
+    gspo_eps_low: float = 3e-3
+    """GSPO lower clip of the sequence ratio (§3.2, A.17.3: the 10^-3 scale, lower 3e-3)"""
+    gspo_eps_high: float = 5e-3
+    """GSPO upper clip of the sequence ratio (§3.2, A.17.3: upper 5e-3 fit better than 4e-3)"""
     fp32_head: bool = True
     """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on
     CPU)"""

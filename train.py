@@ -315,7 +315,8 @@ def microbatch_loss(policy, mb: dict, args: Args):
         eps_low=args.eps_low,
         eps_high=args.eps_high,
         cispo_cap=args.cispo_cap,
-        validate=False,  # check_batch ran loss.check_values once, on the whole batch
+        gspo_eps_low=args.gspo_eps_low,
+        gspo_eps_high=args.gspo_eps_high,
     )
     return l, metrics, logp
 
