@@ -43,7 +43,6 @@ import config
 if __name__ == "__main__":
     ARGS = config.cli()
 
-import dataclasses
 import math
 import os
 import shutil
@@ -420,68 +419,10 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     return metrics
 
 
-def drop_nonfinite_logp(groups) -> tuple[list, int]:
-    """(groups, n): the groups without their rollouts whose behaviour log-prob (Completion.logp) is
-    NaN or +-inf on a policy token (mask True), and n, how many rollouts were dropped (logged as
-    gen/nonfinite_logp). That is a sampler fault: rho against such a log-prob is NaN or silently
-    capped, and loss.policy_loss raises on it. Runs on rank 0 before collate, so advantages and
-    aggregation weights are computed without the dropped rollouts; a group left with no rollout is
-    dropped whole. Prints one warning line per dropped rollout naming its prompt (the data index,
-    as in samples.jsonl) and the token's position in the completion. The input is not modified."""
-    kept, dropped = [], 0
-    for g in groups:
-        keep = []
-        for j, c in enumerate(g.completions):
-            bad = (c.mask & ~torch.isfinite(c.logp)).nonzero()  # (n, 1) positions in the completion
-            if len(bad):
-                t = int(bad[0, 0])
-                print(
-                    f"warning: dropped rollout {j} of prompt {g.prompt.index}: behaviour log-prob "
-                    f"{c.logp[t].item()} at completion token {t} (a sampler fault)",
-                    flush=True,
-                )
-            else:
-                keep.append(j)
-        # a group keeps its place with fewer rollouts; its advantages use only those left
-        dropped += len(g.completions) - len(keep)
-        if len(keep) == len(g.completions):
-            kept.append(g)
-        elif keep:
-            comps, rewards = [g.completions[j] for j in keep], [g.rewards[j] for j in keep]
-            kept.append(dataclasses.replace(g, completions=comps, rewards=rewards))
-    return kept, dropped
-
-
-def has_variance(g) -> bool:
-    """Whether a group's rewards differ (True: it is kept). A zero-variance group has zero advantage
-    everywhere, so it adds nothing to the gradient (§3.2, Fig 6a; DAPO's dynamic sampling without
-    the resampling)."""
-    rewards = torch.tensor(g.rewards)
-    # one group: every rollout gets group id 0; the mask (True: kept) is True on all or on none
-    return bool(filters.zero_variance_mask(rewards, torch.zeros(len(g.rewards))).any())
-
-
-def dapo_length_penalty(groups, args: Args) -> list:
-    """The groups with DAPO's overlong penalty (A.10 Eq. 9, filters.length_penalty: 0, then a ramp
-    to -1 over the last answer_budget tokens before the longest completion the sampler allows,
-    think_budget[1] + answer_budget) added to the reward of each correct rollout (reward > 0:
-    "added only to correct traces", A.10). The input is not modified."""
-    max_len = args.think_budget[1] + args.answer_budget
-    out = []
-    for g in groups:
-        lengths = torch.tensor([len(c.completion_ids) for c in g.completions])
-        pen = filters.length_penalty(lengths, max_len, args.answer_budget)  # (G,) float32
-        rewards = torch.tensor(g.rewards, dtype=torch.float64)  # (G,)
-        # in float64, as collate keeps rewards (the penalty itself is float32)
-        shaped = torch.where(rewards > 0, rewards + pen.double(), rewards)
-        out.append(dataclasses.replace(g, rewards=shaped.tolist()))
-    return out
-
-
 def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict | None, dict]:
     """Phase 1 of a step, every rank (a collective): rank 0 takes the pipeline's next batch of P
     groups with lag <= k (its producer thread sampled and graded them meanwhile), then
-    1. drops rollouts with a non-finite behaviour log-prob (drop_nonfinite_logp),
+    1. drops rollouts with a non-finite behaviour log-prob (filters.drop_nonfinite_logp),
     2. drops zero-variance groups (--zero-var-filter, §3.2),
     3. records every scored group's pass rate for No-Positive-Resampling (§3.2),
     4. adds DAPO's overlong penalty to correct rollouts (--length-penalty, A.10),
@@ -502,10 +443,10 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
             math_reward.pop_stats()
         )  # math-verify's graded / timed-out counts since the last step
         # 1. a NaN or inf behaviour log-prob is a sampler fault: its rollout leaves the batch
-        groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
+        groups, m["gen/nonfinite_logp"] = filters.drop_nonfinite_logp(batch.groups)
         # 2. all correct or all wrong: zero advantage everywhere, so no gradient, only noise
         if args.zero_var_filter:
-            groups = [g for g in groups if has_variance(g)]
+            groups = [g for g in groups if filters.has_variance(g)]
         # 3. every scored group counts, even one dropped above: a prompt whose pass rate reaches
         # --npr-threshold leaves the pool for good
         for g in batch.groups:
@@ -516,11 +457,15 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
         m["filter/active_prompts"] = pool.num_active
         # 4. reward shaping after the filters: a penalized group still counts as it was sampled
         if args.length_penalty:
-            groups = dapo_length_penalty(groups, args)
+            # 0, then a ramp to -1 over the last answer_budget tokens the sampler allows
+            max_len = args.think_budget[1] + args.answer_budget
+            groups = filters.dapo_length_penalty(
+                groups, max_len=max_len, cache_len=args.answer_budget
+            )
         # 5. (S, T) right-padded tensors: S rollouts, T the longest prompt + completion
         payload = [collate(groups, pad_id)]
         log.train_samples(step + 1, batch.groups)
-    # every rank holds the whole batch, so each computes the same micro-batch plan (py)
+    # every rank holds the whole batch, so each computes the same micro-batch plan
     dist.broadcast_object_list(payload)
     return payload[0], m
 

