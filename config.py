@@ -181,8 +181,7 @@ class Args:
     max_tokens_per_microbatch: int = 32768
     """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA,
     eager), or the sum of the lengths of a packed row (flash attention); a longer sequence runs
-    alone. 0: micro-batches of --micro-batch-size sequences padded to the batch's longest (the
-    layout before issue 11)"""
+    alone"""
     micro_batch_size: int = 128
     """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
@@ -401,8 +400,8 @@ def parse_args(argv=None) -> Args:
     """Defaults = ScaleRL, then the --model preset, then the --recipe, then (with --resume) the
     run's saved args; explicit flags win over all of them. An unknown model (hub id or directory)
     gets the "hf" row with CUDA and the "hf-cpu" row without. Raises BadInput (code 2) for an
-    unknown preset or recipe or a --resume directory that holds no run; tyro exits 2 on a malformed
-    flag and 0 after --help."""
+    unknown preset or a --resume directory that holds no run; tyro exits 2 on a malformed flag and 0
+    after --help."""
     argv = sys.argv[1:] if argv is None else argv
     # a first pass reads the three flags that pick the defaults the full parse starts from
     pre = argparse.ArgumentParser(add_help=False)
@@ -436,10 +435,9 @@ def saved_args(run_dir: str) -> Args:
 
 def preset_args(model: str, recipe: str) -> Args:
     """Args with the --model preset's row, then the --recipe's flags, over the ScaleRL defaults. An
-    unknown model (hub id or directory) gets the "hf" row with CUDA, the "hf-cpu" row without.
-    Raises BadInput (code 2) for an unknown recipe, or a model that is no preset, hub id or path."""
-    if recipe not in RECIPES:
-        raise BadInput(f"--recipe {recipe}: unknown; choose from {', '.join(RECIPES)}")
+    unknown model (hub id or directory) gets the "hf" row with CUDA, the "hf-cpu" row without; an
+    unknown recipe adds no flags (validate names it). Raises BadInput (code 2) for a model that is
+    no preset, hub id or path."""
     kind = model_kind(model)
     if kind == "unknown":
         names = ", ".join(k for k in PRESETS if not k.startswith("hf"))
@@ -451,7 +449,7 @@ def preset_args(model: str, recipe: str) -> Args:
     else:
         row = "hf" if has_cuda() else "hf-cpu"
         preset = dict(PRESETS[row], path=model)
-    return Args(**{**preset, **RECIPES[recipe], "model": model, "recipe": recipe})
+    return Args(**{**preset, **RECIPES.get(recipe, {}), "model": model, "recipe": recipe})
 
 
 def parse_task_weights(items: list[str] | None) -> dict[str, float] | None:
@@ -478,177 +476,130 @@ def parse_task_weights(items: list[str] | None) -> dict[str, float] | None:
     return weights
 
 
-# ---- checks: one (flag, value, ok, why) per rule; validate raises on the first that fails --------
-# Each group returns its checks in a fixed order, so the first bad flag reported never changes;
-# `a` is `args`, short so that a check fits one line.
-
-
-def schedule_checks(args: Args) -> list[tuple]:
-    """The run's length, evaluations, timeouts, checkpoints and logs."""
-    a = args
-    return [
-        ("--steps", a.steps, a.steps >= 1, "must be >= 1"),
-        ("--eval-every", a.eval_every, a.eval_every >= 1, "must be >= 1"),
-        ("--eval-size", a.eval_size, a.eval_size >= 1, "must be >= 1"),
-        ("--eval-n", a.eval_n, a.eval_n >= 1, "must be >= 1"),
-        ("--eval-gpus", a.eval_gpus, a.eval_gpus is None or a.eval_gpus >= 0, "must be >= 0"),
-        ("--dist-timeout", a.dist_timeout, a.dist_timeout > 0, "must be > 0 (seconds)"),
-        (
-            "--gen-timeout",
-            a.gen_timeout,
-            a.gen_timeout is None or a.gen_timeout > 0,
-            "must be > 0 (seconds)",
-        ),
-        ("--save-every", a.save_every, a.save_every >= 0, "must be >= 0 (0: only at the end)"),
-        ("--log-samples", a.log_samples, a.log_samples >= 0, "must be >= 0"),
-    ]
-
-
 def groups_per_step(args: Args) -> int:
     """P, the prompt groups in one batch: --prompts-per-step scaled by --batch-scale (the DAPO and
     MiniMax recipes ran 80 prompts where ScaleRL runs 48)."""
     return round(args.prompts_per_step * args.batch_scale)
 
 
-def size_checks(args: Args, world: int) -> list[tuple]:
-    """Batch sizes: prompts and groups per step, micro-batches."""
-    a = args
-    P = groups_per_step(a)
-    return [
-        ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1, "must be >= 1"),
-        ("--batch-scale", a.batch_scale, P >= 1, "must leave >= 1 prompt per step"),
-        ("--group-size", a.group_size, a.group_size >= 2, "must be >= 2 (group advantages)"),
-        (
-            "--group-size",
-            a.group_size,
-            a.group_size % world == 0,
-            f"must divide across {world} ranks",
-        ),
-        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, "must be >= 1"),
-        (
-            "--max-tokens-per-microbatch",
-            a.max_tokens_per_microbatch,
-            a.max_tokens_per_microbatch >= 0,
-            "must be >= 0 (0: micro-batches of --micro-batch-size padded sequences)",
-        ),
-    ]
-
-
-def length_checks(args: Args) -> list[tuple]:
-    """Token budgets, and that a whole rollout fits vLLM's context."""
-    a = args
-    lo, hi = a.think_budget
-    # the longest rollout: prompt, thinking, the phrase (at most one token per character), answer
-    need = a.max_prompt_len + hi + len(a.phrase) + a.answer_budget
-    return [
-        ("--think-budget", f"{lo} {hi}", 0 < lo <= hi, "needs 0 < lo <= hi"),
-        ("--answer-budget", a.answer_budget, a.answer_budget >= 1, "must be >= 1"),
-        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, "must be >= 1"),
-        (
-            "--max-model-len",
-            a.max_model_len,
-            need <= a.max_model_len,
-            f"< max_prompt_len + think_budget[1] + phrase + answer_budget = {need}",
-        ),
-    ]
-
-
-def algorithm_checks(args: Args) -> list[tuple]:
-    """Sampling, off-policyness, filters, loss and optimizer."""
-    a = args
-    # PPO-off-policy-k trains k batches per weight version, so it needs k >= 1
-    min_lag = 1 if a.async_mode == "ppo" else 0
-    return [
-        ("--temperature", a.temperature, a.temperature > 0, "must be > 0"),
-        (
-            "--max-lag",
-            a.max_lag,
-            a.max_lag >= min_lag,
-            f"must be >= {min_lag} with --async-mode {a.async_mode}",
-        ),
-        ("--npr-threshold", a.npr_threshold, 0 < a.npr_threshold <= 1, "must be in (0, 1]"),
-        ("--cispo-cap", a.cispo_cap, a.cispo_cap > 0, "must be > 0"),
-        ("--eps-low", a.eps_low, a.eps_low >= 0, "must be >= 0"),
-        ("--eps-high", a.eps_high, a.eps_high >= 0, "must be >= 0"),
-        ("--lr", a.lr, a.lr > 0, "must be > 0"),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, "must be >= 0"),
-        ("--adam-eps", a.adam_eps, a.adam_eps > 0, "must be > 0"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "must be > 0"),
-    ]
-
-
-def device_checks(args: Args) -> list[tuple]:
-    """vLLM's dtype, parallelism and memory."""
-    a = args
-    dtypes = ("auto", "float32", "bfloat16", "float16")
-    tp = a.tensor_parallel_size
-    n_gpus = len(a.generator_gpus or [])
-    mem = a.gpu_memory_utilization
-    return [
-        (
-            "--gen-dtype",
-            a.gen_dtype,
-            a.gen_dtype in dtypes,
-            "must be auto, float32, bfloat16 or float16",
-        ),
-        (
-            "--tensor-parallel-size",
-            tp,
-            tp >= 1 and n_gpus % tp == 0,
-            f"must be >= 1 and divide the {n_gpus} --generator-gpus",
-        ),
-        ("--gpu-memory-utilization", mem, mem is None or 0 < mem <= 1, "must be in (0, 1]"),
-        (
-            "--kv-cache-gib",
-            a.kv_cache_gib,
-            a.kv_cache_gib is None or a.kv_cache_gib > 0,
-            "must be > 0",
-        ),
-    ]
-
-
-def path_checks(args: Args) -> list[tuple]:
-    """The recipe's name, the run directory, and a local model directory."""
-    recipes = ", ".join(RECIPES)
-    checks = [("--recipe", args.recipe, args.recipe in RECIPES, f"unknown; choose from {recipes}")]
-    # with --resume a checkpoint in the run directory is expected, not refused
-    run_dir = args.run_dir if not args.resume else None
-    has_checkpoint = bool(run_dir) and os.path.exists(os.path.join(run_dir, "state.json"))
-    checks.append(
-        (
-            "--run-dir",
-            run_dir,
-            not has_checkpoint,
-            f"holds a run with a checkpoint; continue it with --resume {run_dir}, or pick another "
-            "--run-dir",
+def validate(args: Args, world: int) -> None:
+    """Every flag's rule, checked here and only here, before any expensive work, in the order of
+    Args' fields (a rule on several fields comes after the last of them). Raises BadInput (code 2)
+    naming the first bad flag and its value: `--steps 0: must be >= 1`. The two rules that need the
+    data (--eval-size against each task's prompts, --task-weights against the data's tasks) are
+    loading.load_prompts', once it has loaded."""
+    # --- run, seed, logging
+    checkpointed = bool(args.run_dir) and os.path.exists(os.path.join(args.run_dir, "state.json"))
+    if checkpointed and not args.resume:  # with --resume a checkpoint there is expected
+        raise BadInput(
+            f"--run-dir {args.run_dir}: holds a run with a checkpoint; continue it with --resume "
+            f"{args.run_dir}, or pick another --run-dir"
         )
-    )
+    if args.steps < 1:
+        raise BadInput(f"--steps {args.steps}: must be >= 1")
+    if args.eval_every < 1:
+        raise BadInput(f"--eval-every {args.eval_every}: must be >= 1")
+    if args.eval_size < 1:
+        raise BadInput(f"--eval-size {args.eval_size}: must be >= 1")
+    if args.eval_n < 1:
+        raise BadInput(f"--eval-n {args.eval_n}: must be >= 1")
+    if args.save_every < 0:
+        raise BadInput(f"--save-every {args.save_every}: must be >= 0 (0: only at the end)")
+    if args.log_samples < 0:
+        raise BadInput(f"--log-samples {args.log_samples}: must be >= 0")
+    if args.dist_timeout <= 0:
+        raise BadInput(f"--dist-timeout {args.dist_timeout}: must be > 0 (seconds)")
+    # --- model and devices
     if args.path is not None and model_kind(args.path) == "dir":
         flag = "--model" if args.path == args.model else "--path"
         path = os.path.expanduser(args.path)
-        exists = os.path.isdir(path)
-        is_model = not exists or os.path.exists(os.path.join(path, "config.json"))
-        checks.append((flag, args.path, exists, "no such directory"))
-        checks.append((flag, args.path, is_model, "not a model directory (no config.json in it)"))
-    return checks
-
-
-def validate(args: Args, world: int) -> None:
-    """One check per flag, before any expensive work, in the order of the groups above. Raises
-    BadInput (code 2) naming the first bad flag and its value: `--steps 0: must be >= 1`."""
-    checks = (
-        schedule_checks(args)
-        + size_checks(args, world)
-        + length_checks(args)
-        + algorithm_checks(args)
-        + device_checks(args)
-        + path_checks(args)
-    )
-    for flag, value, ok, why in checks:
-        if not ok:
-            raise BadInput(f"{flag} {value}: {why}")
+        if not os.path.isdir(path):
+            raise BadInput(f"{flag} {args.path}: no such directory")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise BadInput(f"{flag} {args.path}: not a model directory (no config.json in it)")
+    if args.eval_gpus is not None and args.eval_gpus < 0:
+        raise BadInput(f"--eval-gpus {args.eval_gpus}: must be >= 0")
+    tp = args.tensor_parallel_size
+    n_gpus = len(args.generator_gpus or [])
+    if tp < 1 or n_gpus % tp != 0:
+        raise BadInput(
+            f"--tensor-parallel-size {tp}: must be >= 1 and divide the {n_gpus} --generator-gpus"
+        )
+    mem = args.gpu_memory_utilization
+    if mem is not None and not 0 < mem <= 1:
+        raise BadInput(f"--gpu-memory-utilization {mem}: must be in (0, 1]")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise BadInput(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
+    if args.gen_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise BadInput(f"--gen-dtype {args.gen_dtype}: must be auto, float32, bfloat16 or float16")
+    # --- data
     parse_task_weights(args.task_weights)
+    if args.max_prompt_len < 1:
+        raise BadInput(f"--max-prompt-len {args.max_prompt_len}: must be >= 1")
+    # --- generation
+    if args.prompts_per_step < 1:
+        raise BadInput(f"--prompts-per-step {args.prompts_per_step}: must be >= 1")
+    if args.group_size < 2:
+        raise BadInput(f"--group-size {args.group_size}: must be >= 2 (group advantages)")
+    if args.group_size % world != 0:
+        raise BadInput(f"--group-size {args.group_size}: must divide across {world} ranks")
+    if args.temperature <= 0:
+        raise BadInput(f"--temperature {args.temperature}: must be > 0")
+    lo, hi = args.think_budget
+    if not 0 < lo <= hi:
+        raise BadInput(f"--think-budget {lo} {hi}: needs 0 < lo <= hi")
+    if args.answer_budget < 1:
+        raise BadInput(f"--answer-budget {args.answer_budget}: must be >= 1")
+    # the longest rollout: prompt, thinking, the phrase (at most one token per character), answer
+    need = args.max_prompt_len + hi + len(args.phrase) + args.answer_budget
+    if need > args.max_model_len:
+        raise BadInput(
+            f"--max-model-len {args.max_model_len}: < max_prompt_len + think_budget[1] + phrase + "
+            f"answer_budget = {need}"
+        )
+    if args.gen_timeout is not None and args.gen_timeout <= 0:
+        raise BadInput(f"--gen-timeout {args.gen_timeout}: must be > 0 (seconds)")
+    # PPO-off-policy-k trains k batches per weight version, so it needs k >= 1
+    min_lag = 1 if args.async_mode == "ppo" else 0
+    if args.max_lag < min_lag:
+        raise BadInput(
+            f"--max-lag {args.max_lag}: must be >= {min_lag} with --async-mode {args.async_mode}"
+        )
+    # --- filters
+    if not 0 < args.npr_threshold <= 1:
+        raise BadInput(f"--npr-threshold {args.npr_threshold}: must be in (0, 1]")
+    # --- loss
+    if args.recipe not in RECIPES:
+        raise BadInput(f"--recipe {args.recipe}: unknown; choose from {', '.join(RECIPES)}")
+    if args.cispo_cap <= 0:
+        raise BadInput(f"--cispo-cap {args.cispo_cap}: must be > 0")
+    if args.eps_low < 0:
+        raise BadInput(f"--eps-low {args.eps_low}: must be >= 0")
+    if args.eps_high < 0:
+        raise BadInput(f"--eps-high {args.eps_high}: must be >= 0")
+    if args.gspo_eps_low < 0:
+        raise BadInput(f"--gspo-eps-low {args.gspo_eps_low}: must be >= 0")
+    if args.gspo_eps_high < 0:
+        raise BadInput(f"--gspo-eps-high {args.gspo_eps_high}: must be >= 0")
+    # --- optimizer
+    if args.lr <= 0:
+        raise BadInput(f"--lr {args.lr}: must be > 0")
+    if args.warmup_steps < 0:
+        raise BadInput(f"--warmup-steps {args.warmup_steps}: must be >= 0")
+    if args.weight_decay < 0:
+        raise BadInput(f"--weight-decay {args.weight_decay}: must be >= 0")
+    if args.adam_eps <= 0:
+        raise BadInput(f"--adam-eps {args.adam_eps}: must be > 0")
+    if args.max_grad_norm <= 0:
+        raise BadInput(f"--max-grad-norm {args.max_grad_norm}: must be > 0")
+    if args.max_tokens_per_microbatch < 1:
+        raise BadInput(
+            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: must be >= 1"
+        )
+    if args.micro_batch_size < 1:
+        raise BadInput(f"--micro-batch-size {args.micro_batch_size}: must be >= 1")
+    if groups_per_step(args) < 1:
+        raise BadInput(f"--batch-scale {args.batch_scale}: must leave >= 1 prompt per step")
 
 
 def cli(argv=None) -> Args:

@@ -179,28 +179,35 @@ def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[
     micro-batch while its computed tokens (packed: the sum of lengths; padded: rows x the longest)
     stay within --max-tokens-per-microbatch and its rows within --micro-batch-size. A sample longer
     than the budget runs alone. Every rank holds the whole batch, so every rank computes the same
-    plan without communicating. --max-tokens-per-microbatch 0: the layout before issue 11 (rank r
-    takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
-    S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
-    if budget == 0:
-        strided = [list(range(r, S, world)) for r in range(world)]
-        return [[rows[i : i + cap] for i in range(0, len(rows), cap)] for rows in strided]
-    load, mine = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(S), key=lambda i: (-lengths[i], i)):
+    plan without communicating."""
+    budget = args.max_tokens_per_microbatch
+    max_rows = args.micro_batch_size
+    load = [0] * world  # tokens given to each rank so far
+    mine = [[] for _ in range(world)]  # each rank's samples, longest first
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
         load[r] += lengths[i]
         mine[r].append(i)
     plan = []
     for rows in mine:
-        mbs, cur, used = [], [], 0
-        for i in rows:  # longest first, so a padded micro-batch is as long as its first row
-            cost = used + lengths[i] if pack else (len(cur) + 1) * lengths[cur[0] if cur else i]
-            if cur and (cost > budget or len(cur) == cap):
+        mbs = []
+        cur = []  # the micro-batch being filled
+        used = 0  # its tokens
+        for i in rows:
+            if pack:
+                cost = used + lengths[i]
+            else:  # longest first, so a padded micro-batch is as long as its first row
+                longest = lengths[cur[0]] if cur else lengths[i]
+                cost = (len(cur) + 1) * longest
+            if cur and (cost > budget or len(cur) == max_rows):
                 mbs.append(cur)
-                cur, used = [], 0
+                cur = []
+                used = 0
             cur.append(i)
             used += lengths[i]
-        plan.append(mbs + [cur] if cur else mbs)
+        if cur:
+            mbs.append(cur)
+        plan.append(mbs)
     return plan
 
 
@@ -379,7 +386,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     check_batch(batch, weights, policy.lm.get_output_embeddings().weight.shape[0])
     S, T = batch["input_ids"].shape
     lengths = batch["attention_mask"].sum(1)  # (S,)
-    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
+    pack = varlen_attention(policy.lm)
     plan = plan_microbatches(lengths.tolist(), world, args, pack)
     # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
     mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
@@ -389,8 +396,8 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     finite = torch.ones((), dtype=torch.bool, device=device)  # torchtitan's loss_is_finite
     records = []  # per micro-batch, to name the sample if the step fails
     for rows in mine:
-        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
-        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        # each micro-batch cut to its own longest row (an empty one ignores the width)
+        width = T if rows is None else int(lengths[rows].max())
         mb = to_device(microbatch(batch, rows, width, pack, adv, weights), device)
         l, m, logp = microbatch_loss(policy, mb, args)
         # each rank's loss is its share of a sum, so shard() has FSDP2 sum gradients over ranks

@@ -125,10 +125,8 @@ def plan_placement(
             share_gpu=args.share_gpu,
             tp=args.tensor_parallel_size,
             utilization=args.gpu_memory_utilization,
-            # tokens in one trainer forward: the token budget (plan_microbatches), else the legacy
-            # layout's micro_batch_size padded sequences
-            microbatch_tokens=args.max_tokens_per_microbatch
-            or args.micro_batch_size * args.max_model_len,
+            # tokens in one trainer forward: the token budget (train.plan_microbatches)
+            microbatch_tokens=args.max_tokens_per_microbatch,
             max_model_len=args.max_model_len,
             checkpointing=args.activation_checkpointing,
             fp32_head=args.fp32_head,

