@@ -1,15 +1,33 @@
-"""What a run is: the command line resolved into `Args` (every flag: py, parsed by tyro) over
-the `--model` presets and the `--recipe` bundles of the paper (py), and the checks every
-flag passes before any work (validate).
+"""What a run is: the command line resolved into `Args` (every flag, parsed by tyro) over the
+`--model` presets (PRESETS) and the paper's `--recipe` bundles (RECIPES), and the rule each flag
+must meet, checked once, before any work (validate).
+
+Paper: the defaults are ScaleRL (§4); the qwen3 presets are the training setup of A.3 and §2
+(lengths, batch, optimizer, evaluation); RECIPES are the compared recipes of Fig 2 and A.16 and the
+leave-one-out variants of Fig 7.
 
     python train.py --help                   # every flag with its default and docstring
     python train.py --recipe loo-dapo        # ScaleRL with one choice swapped (Figure 7)
-    python train.py --model qwen3-8b         # the paper's lengths and batch (PAPER.md 9)
+    python train.py --model qwen3-8b         # the paper's lengths and batch (A.3)
+    python train.py --steps 0                # train.py: --steps 0: must be >= 1 (exit 2)
 
 Precedence: the ScaleRL defaults (Args), then the --model preset, then the --recipe, then (with
 --resume) the run's saved args; a flag given on the command line wins over all of them. The run
-directory's args.json records the resolved values. Adding an ablation is a field in py, its
-use in train.py, and (optionally) a RECIPES row in py.
+directory's args.json records the resolved values. Adding an ablation is a field in Args, its
+rule in validate, its use in train.py, and (optionally) a RECIPES row.
+
+Where it departs from the paper, and why:
+1. Scale: the default `--model tiny` (12 prompts x 16, 156 steps, evals of 200 x 4 every
+   6 steps, 5 warmup steps, k = 2) fit 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
+   held-out evals every 100 steps, 100 warmup steps and k = 8 (A.3, §3.1) are the qwen3 presets'.
+2. The paper gives the learning rate of its 8B model only (5e-7, A.3); the smaller qwen3 presets
+   take 1e-6, the tiny model 2e-4.
+3. The CISPO cap is 4: the paper tried 4, 5 and 8 without a difference and does not say which
+   ScaleRL used (A.17.2).
+4. GSPO's clip widths (3e-3 low, 5e-3 high) are read from a figure legend (A.17.3, Fig 20).
+5. The interruption range is U[10240, 12288] thinking tokens, reading A.10's "[10k, 12k]" as
+   multiples of 1,024, and max_model_len adds 128 tokens for the phrase to the paper's 16,384.
+6. Gradients are clipped at --max-grad-norm 1.0; the paper does not state a clipping value (A.3).
 """
 
 import argparse
@@ -215,51 +233,19 @@ PAPER_GEN = dict(
     temperature=1.0,
 )
 PRESETS = {
-    # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
-    # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
-    # runs are in the README). Measured with tiny.py's warm start of bd904ed:
-    # - 12 prompts x 16 a step, 185 steps: a step costs ~3.2 s instead of ~3.9 with 16 prompts, so
-    #   185 steps take about as long as 140 did (774-854 s a run, against 788-842 s), and the fits'
-    #   C_mid fell from 12-13% of the compute to 10-11%.
-    #   With 16 prompts and 140 steps (1c38a8f) seed 2 was still climbing at half the compute and
-    #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
-    #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
-    #   though a second run of it (a72f38d) missed: one eval fell to 0.723 at the end of its half.
-    # - 156 steps, not 185: on a slower day (steps and evals ~15-20% slower) runs of 175 took
-    #   914-953 s, past the 15 minutes; a fresh clone's run of 185 had taken 917 s. The 8 runs of
-    #   175-185 cut at step 156 met every bar but one (a bootstrap that did not converge on the
-    #   run with a dip; at full length 6 of 8), and 156 = 26 evals of 6, the last at the last step.
-    #   (Tried, no saving: 1 trainer thread, 565 s of training against 545; the eval engine at
-    #   nice 0, which only moves the evals from the end into training.)
-    # - lr 2e-4 with groups of 16: on seed 1 (16 prompts, 140 steps) the sampled pass rate rose
-    #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
-    #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
-    #   (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell from 0.771 at step 60 to 0.580 at step
-    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 (16 prompts, 140 steps)
-    #   put one eval at 0.715 and missed the half-run bar by more (error 0.050, against 0.035).
-    # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
-    #   groups per step once most are all right, and those noisy steps swung the pass rate by
-    #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
-    # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
-    #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - an eval of 200 held-out prompts x 4 every 6 steps: 27 points, 14 of them (R0 included) in
-    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
-    #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
-    #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11
-    #   points and the policy's own swings (~0.02), no fit could tell A from one 0.05 higher.
-    # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
-    #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
-    #   in the middle of the fitted curve.
+    # the Args defaults: a 0.43M-parameter Qwen3 (tasks/tiny.py) on arith, on CPU, sized so that
+    # the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
+    # measurements behind each value: docs/history-presets.md)
     "tiny": dict(
-        max_lag=2,
-        lr=2e-4,
-        prompts_per_step=12,
-        group_size=16,
-        steps=156,
-        eval_every=6,
+        max_lag=2,  # k = 2: the trainer is the slow side; k = 8 made batches stale and drift
+        lr=2e-4,  # 3e-4 swung consecutive evals by 0.029-0.041, 2e-4 by 0.015-0.035 (3 seeds)
+        prompts_per_step=12,  # ~3.2 s a step against ~3.9 with 16; the fits' C_mid 10-11% of C
+        group_size=16,  # groups of 8 left a few noisy groups a step after the filter (0.76 -> 0.66)
+        steps=156,  # 156 steps: fits 15 min on 2 cores on a slow day (175 took 914-953 s)
+        eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
-        eval_n=4,
-        save_every=0,
+        eval_n=4,  # sampling noise ~0.014; x 8 (~0.010) would not fit 15 minutes
+        save_every=0,  # a checkpoint waits for the queued evals: minutes on the compute clock
     ),
     "smollm2-135m": dict(
         path=None,
@@ -282,13 +268,8 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    # Activation checkpointing only where memory needs it. Estimated trainer memory at one
-    # 16,512-token micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32
-    # states sharded, bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b
-    # 116 / 18, 8b 155 / 34. Rule: off where it fits in 75% of an 80 GB trainer GPU (60 GiB; the
-    # default placement gives vLLM GPUs of its own): 0.6b off, 1.7b (at the edge), 4b and 8b on.
-    # With --share-gpu vLLM takes half of rank 0's GPU: pass --activation-checkpointing for 0.6b
-    # too. Not yet checked against a measured peak on a GPU.
+    # activation checkpointing where the estimate without it exceeds 60 GiB, 75% of an 80 GB GPU
+    # (bench/gpu_trainer.py --plan; not yet measured on a GPU; docs/history-presets.md)
     "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, activation_checkpointing=False),
     "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, activation_checkpointing=True),
     "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
@@ -302,8 +283,8 @@ PRESETS = {
 PRESETS["hf-cpu"] = dict(
     PRESETS["smollm2-135m"], think_budget=(192, 256), max_model_len=896, kv_cache_gib=1.0
 )
-# --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants
-# (Fig 7) as flag settings on top of ScaleRL. A flag given on the command line wins over the recipe.
+# --recipe NAME: the paper's compared recipes (§4; Fig 2, A.16) and leave-one-out variants (Fig 7)
+# as flag settings on top of ScaleRL. A flag given on the command line wins over the recipe.
 RECIPES = {
     "scalerl": {},
     "deepseek-grpo": dict(

@@ -1,4 +1,5 @@
-"""ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4), composed from the pure modules.
+"""ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4) and its policy update, composed from
+the pure modules.
 
     python train.py                                       # tiny model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20       # the same, FSDP2 over 2 CPU ranks (gloo)
@@ -6,33 +7,41 @@
     python train.py --recipe loo-dapo                     # one of the paper's compared recipes
     python train.py --resume runs/NAME                    # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X   # the sigmoid fit of a finished run
+    torchrun --nproc_per_node 2 tests/dist_step.py MODEL_DIR BATCH.pt OUT.pt  # one train_step
+    python bench/gpu_trainer.py --only train              # its speed and memory on one GPU
     # Ctrl-C: finish or abandon the step, checkpoint, exit 0 (twice: quit at once);
     # a bad flag: one line, exit 2
 
-One step (DESIGN.md): the pipeline's producer thread samples groups with vLLM (forced
-interruptions, in-flight weight updates) and grades them; the trainer takes a batch of P groups
-with lag <= k, drops rollouts with a non-finite behaviour log-prob and zero-variance groups,
-records pass rates for No-Positive-Resampling, adds DAPO's length penalty if a recipe asks,
-computes batch-normalized advantages and prompt-level aggregation weights on the whole batch, runs
-fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps AdamW, and hands the
-new weights to the sampler (version = step). The compute clock advances every step. Every
-`eval_every` steps a snapshot of the new weights goes to the eval engine, whose held-out pass rate
-is logged (with the live sigmoid fit of the curve so far) when it finishes; a checkpoint every
-`save_every`. Flags, presets and recipes: config.py, config.py, config.py; inputs: loading.py;
-process group, placement, run directory: launch.py; the policy and its optimizer step: py;
-the vLLM side: generator.py; logs, evals and checkpoints: records.py and checkpoint.py.
+One step (the asynchronous setup of §2 and A.3, PipelineRL-k of §3.1): the pipeline's producer
+thread samples groups with vLLM (forced interruptions, in-flight weight updates) and grades them;
+the trainer takes a batch of P groups with lag <= k, drops rollouts with a non-finite behaviour
+log-prob and zero-variance groups, records pass rates for No-Positive-Resampling, adds DAPO's
+length penalty if a recipe asks (get_batch, filters.py), computes batch-normalized advantages and
+prompt-level aggregation weights on the whole batch, runs fp32-head log-probs -> CISPO -> backward
+per micro-batch on every rank, steps AdamW (train_step), and hands the new weights to the sampler
+(version = step). The compute clock advances every step. Every `eval_every` steps a snapshot of
+the new weights goes to the eval engine, whose held-out pass rate is logged (with the live sigmoid
+fit of the curve so far) when it finishes; a checkpoint every `save_every`. Flags, presets and
+recipes: config.py; inputs: infra/loading.py; process group, placement, run directory:
+infra/launch.py; the vLLM side: infra/generator.py; logs, evals and checkpoints: infra/records.py
+and infra/checkpoint.py. Here: the policy (Policy, shard, build), the batch (collate, get_batch),
+the micro-batches (plan_microbatches, microbatch) and the update (train_step).
 
 Where it departs from the paper, and why:
-1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (arith.py `arith`) with
-   10^4x smaller budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's
-   lengths and batch.
+1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (tasks/arith.py
+   `arith`) with 10^4x smaller budgets, so the whole recipe runs on a laptop; the GPU presets keep
+   the paper's lengths and batch.
 2. Compute is counted in device-hours (`gpu_hours`): wall time x distinct devices (trainer and
    generator GPUs; on CPU the machine counts as one device). The paper counts GB200-hours.
 3. Truncated rollouts stay in the batch with the reward the grader gives them (usually 0); the
-   paper says only that they shrink the "effective batch" (PAPER.md 7.4).
+   paper says only that they shrink the "effective batch" (A.15).
 4. Gradients are clipped at `max_grad_norm` (default 1.0); the paper does not say whether it clips.
 5. The LR warmup is `warmup_steps` (100 in the paper, shorter for the tiny preset's few hundred
    steps).
+6. Micro-batches are packed into one row where the attention kernel is varlen (flash attention),
+   else length-sorted and padded: a memory and speed choice, the same loss either way.
+7. A rollout whose behaviour log-prob is NaN or +-inf on a policy token (a sampler fault the paper
+   does not discuss) leaves the batch before advantages are computed, counted and named.
 """
 
 import sys
