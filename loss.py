@@ -70,8 +70,12 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             elif need_dh:
                 dlogp_dh[s:e] = (w32[t] - probs.div_(z) @ w32).div_(temperature)  # (c, H)
             del logits, probs  # free this block before the next matmul allocates one
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.need_dh, ctx.need_dw, ctx.head_dtype, ctx.low = need_dh, need_dw, head_dtype, low
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.need_dh = need_dh
+        ctx.need_dw = need_dw
+        ctx.head_dtype = head_dtype
+        ctx.low = low
         ctx.save_for_backward(hidden, weight, targets, lse, dlogp_dh)
         return logp
 
@@ -79,7 +83,9 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # g (N,) upstream gradient of logp
         hidden, weight, targets, lse, dlogp_dh = ctx.saved_tensors
-        T, g, low = ctx.temperature, g.float(), ctx.low
+        T = ctx.temperature
+        g = g.float()
+        low = ctx.low
         grad_h = (g[:, None] * dlogp_dh).to(hidden.dtype) if ctx.need_dh else None  # (N, H)
         grad_w = None
         if ctx.need_dw:

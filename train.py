@@ -363,18 +363,20 @@ def reduce_metrics(sums, extremes, finite, grad_norm) -> tuple[dict, bool]:
     top = torch.cat([extremes, (~finite).double()[None]])
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     out = torch.cat([sums, top, grad_norm.double()[None]]).tolist()  # the step's one host sync
-    loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, nonfinite, grad_norm = out
-    n = max(n_tok, 1.0)  # valid tokens in the batch, all ranks
+    # the names of out's values, in the order of sums, then top, then the norm
+    names = ("loss", "tokens", "clipped", "rho_sum", "neg_rho_min", "rho_max", "nonfinite", "norm")
+    v = dict(zip(names, out, strict=True))
+    n = max(v["tokens"], 1.0)  # valid tokens in the batch, all ranks
     metrics = {
-        "train/loss": loss_sum,
-        "train/grad_norm": grad_norm,
-        "train/tokens": int(n_tok),
-        "train/clip_frac": clipped / n,
-        "train/rho_mean": rho_sum / n,
-        "train/rho_min": -neg_rho_min,
-        "train/rho_max": rho_max,
+        "train/loss": v["loss"],
+        "train/grad_norm": v["norm"],
+        "train/tokens": int(v["tokens"]),
+        "train/clip_frac": v["clipped"] / n,
+        "train/rho_mean": v["rho_sum"] / n,
+        "train/rho_min": -v["neg_rho_min"],
+        "train/rho_max": v["rho_max"],
     }
-    return metrics, not nonfinite
+    return metrics, not v["nonfinite"]
 
 
 def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
