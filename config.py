@@ -128,7 +128,7 @@ class Args:
     """prompts longer than this after templating are skipped (counted)"""
     # --- generation
     prompts_per_step: int = 16
-    """P: prompt groups per optimizer step (paper: 48)"""
+    """prompt groups per optimizer step (paper: 48); P, the batch's, is this x --batch-scale"""
     group_size: int = 8
     """G: completions per prompt (paper: 16)"""
     temperature: float = 1.0
@@ -203,7 +203,7 @@ class Args:
     micro_batch_size: int = 128
     """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
-    """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
+    """P = round(prompts_per_step x this) (the DAPO and MiniMax recipes ran 80 prompts, not 48)"""
 
 
 # --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets

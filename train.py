@@ -228,7 +228,8 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
     backward calls on every rank)."""
     if rows is None:
-        S, one = len(adv), torch.ones(1, dtype=torch.long)
+        S = len(adv)  # the batch's rollouts: `sample` S points past every real one
+        one = torch.ones(1, dtype=torch.long)
         return dict(
             input_ids=torch.zeros(1, 2, dtype=torch.long),
             attention_mask=None,
@@ -244,7 +245,7 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     idx = torch.tensor(rows)
     ids, mask = batch["input_ids"][idx, :width], batch["mask"][idx, :width]  # (s, width)
     real = batch["attention_mask"][idx, :width].bool()  # (s, width) prefix of each row
-    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (train_step checked mask[:, 0])
+    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (check_batch checked mask[:, 0])
     if pack:  # sequences back to back, each with its own positions
         lengths = real.sum(1)
         offset = lengths.cumsum(0) - lengths  # (s,) where each sequence starts in the row
@@ -457,9 +458,8 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
     batch = rank0_call(lambda: generator.next_batch(pipe, step))
     if batch is not None:  # rank 0
         m = dict(batch.metrics)
-        m.update(
-            math_reward.pop_stats()
-        )  # math-verify's graded / timed-out counts since the last step
+        # math-verify's graded / timed-out counts since the last step
+        m.update(math_reward.pop_stats())
         # 1. a NaN or inf behaviour log-prob is a sampler fault: its rollout leaves the batch
         groups, m["gen/nonfinite_logp"] = filters.drop_nonfinite_logp(batch.groups)
         # 2. all correct or all wrong: zero advantage everywhere, so no gradient, only noise

@@ -1,4 +1,4 @@
-"""fit.py: the sigmoid compute-performance fits (PAPER.md 8, Table 1 in 10.1).
+"""fit.py: the sigmoid compute-performance fits (§2.1, A.4-A.8; Table 1 of A.13).
 
 Pins: Eq. 1 against a hand evaluation; recovery of every Table 1 row from noisy synthetic evals (all
 points, and the paper's half-budget protocol with the prediction of the second half); exact recovery
@@ -24,7 +24,7 @@ import fit
 pytestmark = pytest.mark.filterwarnings("error")
 
 R0 = 0.35
-TABLE_1 = [  # PAPER.md 10.1: (experiment, C_mid GPU-h, B, A)
+TABLE_1 = [  # Table 1 (A.13): (experiment, C_mid GPU-h, B, A)
     ("ScaleRL", 2542, 1.92, 0.610),
     ("ScaleRL-32k", 11272, 1.89, 0.645),
     ("ScaleRL-8gen", 2542, 2.44, 0.585),

@@ -326,7 +326,7 @@ def test_aggregations_match_the_paper_formulas_on_unequal_groups():
     mask = padded_mask(LENS)
     ell = np.random.default_rng(0).normal(size=mask.shape)  # arbitrary per-token terms
     groups = {0: [0, 1], 1: [2, 3, 4, 6]}
-    by_hand = {  # PAPER.md section 2; P = 2 groups, S = 6 non-empty samples
+    by_hand = {  # §3.2, A.9 Fig 14a; P = 2 groups, S = 6 non-empty samples
         "prompt": np.mean(
             [
                 sum(ell[i, : LENS[i]].sum() for i in g) / sum(LENS[i] for i in g)

@@ -137,7 +137,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         0.2,
         "sample",
         "ppo",
-    )  # PAPER 10.2
+    )  # Fig 2, A.16
     d = config.parse_args(["--recipe", "qwen2.5-dapo"])
     assert (d.loss, d.eps_high, d.agg, d.async_mode, round(d.batch_scale * 48)) == (
         "dapo",
