@@ -18,7 +18,7 @@ rule in validate, its use in train.py, and (optionally) a RECIPES row.
 
 Where it departs from the paper, and why:
 1. Scale: the default `--model tiny` (12 prompts x 16, 156 steps, evals of 200 x 4 every
-   6 steps, 5 warmup steps, k = 2) fit 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
+   6 steps, 5 warmup steps, k = 2) fits 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
    held-out evals every 100 steps, 100 warmup steps and k = 8 (A.3, §3.1) are the qwen3 presets'.
 2. The paper gives the learning rate of its 8B model only (5e-7, A.3); the smaller qwen3 presets
    take 1e-6, the tiny model 2e-4.
@@ -237,7 +237,7 @@ PRESETS = {
     # the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
     # measurements behind each value: docs/history-presets.md)
     "tiny": dict(
-        max_lag=2,  # k = 2: the trainer is the slow side; k = 8 made batches stale and drift
+        max_lag=2,  # the trainer is the slow side: at k = 8 the sampled pass rate drifted
         lr=2e-4,  # 3e-4 swung consecutive evals by 0.029-0.041, 2e-4 by 0.015-0.035 (3 seeds)
         prompts_per_step=12,  # ~3.2 s a step against ~3.9 with 16; the fits' C_mid 10-11% of C
         group_size=16,  # groups of 8 left a few noisy groups a step after the filter (0.76 -> 0.66)
@@ -268,8 +268,8 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    # activation checkpointing where the estimate without it exceeds 60 GiB, 75% of an 80 GB GPU
-    # (bench/gpu_trainer.py --plan; not yet measured on a GPU; docs/history-presets.md)
+    # activation checkpointing where the estimate without it reaches 60 GiB, 75% of an 80 GB GPU
+    # (1.7b at the edge; bench/gpu_trainer.py --plan; not yet measured: docs/history-presets.md)
     "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, activation_checkpointing=False),
     "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, activation_checkpointing=True),
     "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
