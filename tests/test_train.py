@@ -202,6 +202,41 @@ def test_bad_input_fails_before_any_work(argv, world, match):
     assert info.value.code == 2
 
 
+# config.validate's other rules, one message each, in the order of Args' fields
+RULES = [
+    (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
+    (["--eval-n", "0"], "--eval-n 0: must be >= 1"),
+    (["--save-every", "-1"], "--save-every -1: must be >= 0 (0: only at the end)"),
+    (["--log-samples", "-1"], "--log-samples -1: must be >= 0"),
+    (["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (seconds)"),
+    (["--path", "/no/such/dir"], "--path /no/such/dir: no such directory"),
+    (["--eval-gpus", "-1"], "--eval-gpus -1: must be >= 0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib 0.0: must be > 0"),
+    (["--gen-dtype", "int8"], "--gen-dtype int8: must be auto, float32, bfloat16 or float16"),
+    (["--max-prompt-len", "0"], "--max-prompt-len 0: must be >= 1"),
+    (["--group-size", "1"], "--group-size 1: must be >= 2 (group advantages)"),
+    (["--think-budget", "0", "10"], "--think-budget 0 10: needs 0 < lo <= hi"),
+    (["--gen-timeout", "0"], "--gen-timeout 0.0: must be > 0 (seconds)"),
+    (["--max-lag", "-1"], "--max-lag -1: must be >= 0 with --async-mode pipeline"),
+    (["--cispo-cap", "0"], "--cispo-cap 0.0: must be > 0"),
+    (["--eps-low", "-0.1"], "--eps-low -0.1: must be >= 0"),
+    (["--eps-high", "-0.1"], "--eps-high -0.1: must be >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
+    (["--adam-eps", "0"], "--adam-eps 0.0: must be > 0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0.0: must be > 0"),
+    (["--batch-scale", "0.01"], "--batch-scale 0.01: must leave >= 1 prompt per step"),
+]
+
+
+@pytest.mark.parametrize("argv, message", RULES, ids=[" ".join(a) for a, _ in RULES])
+def test_every_flag_rule_names_its_flag(argv, message):
+    with pytest.raises(config.BadInput) as info:
+        config.validate(config.parse_args(argv), 1)
+    assert str(info.value) == message and info.value.code == 2
+
+
 # One line each on stderr, `train.py: ` + the message written out here, exit code 2, no run
 # directory; before torch is imported (measured: ~1 s on 2 idle cores, against ~14 s before, when
 # config.py imported vLLM).
