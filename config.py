@@ -1,15 +1,33 @@
-"""What a run is: the command line resolved into `Args` (every flag: py, parsed by tyro) over
-the `--model` presets and the `--recipe` bundles of the paper (py), and the checks every
-flag passes before any work (validate).
+"""What a run is: the command line resolved into `Args` (every flag, parsed by tyro) over the
+`--model` presets (PRESETS) and the paper's `--recipe` bundles (RECIPES), and the rule each flag
+must meet, checked once, before any work (validate).
+
+Paper: the defaults are ScaleRL (§4); the qwen3 presets are the training setup of A.3 and §2
+(lengths, batch, optimizer, evaluation); RECIPES are the compared recipes of Fig 2 and A.16 and the
+leave-one-out variants of Fig 7.
 
     python train.py --help                   # every flag with its default and docstring
     python train.py --recipe loo-dapo        # ScaleRL with one choice swapped (Figure 7)
-    python train.py --model qwen3-8b         # the paper's lengths and batch (PAPER.md 9)
+    python train.py --model qwen3-8b         # the paper's lengths and batch (A.3)
+    python train.py --steps 0                # train.py: --steps 0: must be >= 1 (exit 2)
 
 Precedence: the ScaleRL defaults (Args), then the --model preset, then the --recipe, then (with
 --resume) the run's saved args; a flag given on the command line wins over all of them. The run
-directory's args.json records the resolved values. Adding an ablation is a field in py, its
-use in train.py, and (optionally) a RECIPES row in py.
+directory's args.json records the resolved values. Adding an ablation is a field in Args, its
+rule in validate, its use in train.py, and (optionally) a RECIPES row.
+
+Where it departs from the paper, and why:
+1. Scale: the default `--model tiny` (12 prompts x 16, 156 steps, evals of 200 x 4 every
+   6 steps, 5 warmup steps, k = 2) fits 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
+   held-out evals every 100 steps, 100 warmup steps and k = 8 (A.3, §3.1) are the qwen3 presets'.
+2. The paper gives the learning rate of its 8B model only (5e-7, A.3); the smaller qwen3 presets
+   take 1e-6, the tiny model 2e-4.
+3. The CISPO cap is 4: the paper tried 4, 5 and 8 without a difference and does not say which
+   ScaleRL used (A.17.2).
+4. GSPO's clip widths (3e-3 low, 5e-3 high) are read from a figure legend (A.17.3, Fig 20).
+5. The interruption range is U[10240, 12288] thinking tokens, reading A.10's "[10k, 12k]" as
+   multiples of 1,024, and max_model_len adds 128 tokens for the phrase to the paper's 16,384.
+6. Gradients are clipped at --max-grad-norm 1.0; the paper does not state a clipping value (A.3).
 """
 
 import argparse
@@ -110,7 +128,7 @@ class Args:
     """prompts longer than this after templating are skipped (counted)"""
     # --- generation
     prompts_per_step: int = 16
-    """P: prompt groups per optimizer step (paper: 48)"""
+    """prompt groups per optimizer step (paper: 48); P, the batch's, is this x --batch-scale"""
     group_size: int = 8
     """G: completions per prompt (paper: 16)"""
     temperature: float = 1.0
@@ -160,6 +178,10 @@ class Args:
     """DAPO / GRPO lower clip"""
     eps_high: float = 0.28
     """DAPO / GRPO upper clip"""
+    gspo_eps_low: float = 3e-3
+    """GSPO lower clip of the sequence ratio (§3.2, A.17.3: the 10^-3 scale, lower 3e-3)"""
+    gspo_eps_high: float = 5e-3
+    """GSPO upper clip of the sequence ratio (§3.2, A.17.3: upper 5e-3 fit better than 4e-3)"""
     fp32_head: bool = True
     """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on
     CPU)"""
@@ -177,12 +199,11 @@ class Args:
     max_tokens_per_microbatch: int = 32768
     """tokens per forward/backward on each rank, as computed: padded rows x their longest (SDPA,
     eager), or the sum of the lengths of a packed row (flash attention); a longer sequence runs
-    alone. 0: micro-batches of --micro-batch-size sequences padded to the batch's longest (the
-    layout before issue 11)"""
+    alone"""
     micro_batch_size: int = 128
     """at most this many sequences per forward/backward on each rank"""
     batch_scale: float = 1.0
-    """multiplies prompts_per_step (the DAPO and MiniMax recipes ran 80 prompts instead of 48)"""
+    """P = round(prompts_per_step x this) (the DAPO and MiniMax recipes ran 80 prompts, not 48)"""
 
 
 # --model NAME: one row each. Any other value is a Hugging Face id or a local directory and gets
@@ -212,51 +233,19 @@ PAPER_GEN = dict(
     temperature=1.0,
 )
 PRESETS = {
-    # the Args defaults (a 0.43M-parameter Qwen3 built by tiny.py, the arith task, CPU), sized so
-    # that the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
-    # runs are in the README). Measured with tiny.py's warm start of bd904ed:
-    # - 12 prompts x 16 a step, 185 steps: a step costs ~3.2 s instead of ~3.9 with 16 prompts, so
-    #   185 steps take about as long as 140 did (774-854 s a run, against 788-842 s), and the fits'
-    #   C_mid fell from 12-13% of the compute to 10-11%.
-    #   With 16 prompts and 140 steps (1c38a8f) seed 2 was still climbing at half the compute and
-    #   its half-run fit put A at the bound 1 (mean error on the later evals 0.035); with 12 and
-    #   185, its half-run A was 0.946 against the whole run's 0.937, the error 0.017 (at 33b4473),
-    #   though a second run of it (a72f38d) missed: one eval fell to 0.723 at the end of its half.
-    # - 156 steps, not 185: on a slower day (steps and evals ~15-20% slower) runs of 175 took
-    #   914-953 s, past the 15 minutes; a fresh clone's run of 185 had taken 917 s. The 8 runs of
-    #   175-185 cut at step 156 met every bar but one (a bootstrap that did not converge on the
-    #   run with a dip; at full length 6 of 8), and 156 = 26 evals of 6, the last at the last step.
-    #   (Tried, no saving: 1 trainer thread, 565 s of training against 545; the eval engine at
-    #   nice 0, which only moves the evals from the end into training.)
-    # - lr 2e-4 with groups of 16: on seed 1 (16 prompts, 140 steps) the sampled pass rate rose
-    #   from 0.21 to 0.73 by step 40 and held at 0.69-0.81 to step 140. At lr 3e-4 (100 steps) it
-    #   rose faster, but over the second half consecutive evals moved by 0.029-0.041 on average
-    #   (3 seeds; 0.015-0.035 at lr 2e-4), and seed 1 fell from 0.771 at step 60 to 0.580 at step
-    #   100: RL wore away the sums (README "Result"). lr 2.5e-4 on seed 2 (16 prompts, 140 steps)
-    #   put one eval at 0.715 and missed the half-run bar by more (error 0.050, against 0.035).
-    # - groups of 16: with groups of 8 (lr 2e-4 or 3e-4) the zero-variance filter leaves a few
-    #   groups per step once most are all right, and those noisy steps swung the pass rate by
-    #   0.03-0.07 between evals late in the run and undid the gains (0.76 at step 80 -> 0.66).
-    # - k = 2: here the trainer, not the sampler, is the slow side, so k = 8 would only make every
-    #   batch 8 steps stale (measured: the sampled pass rate then drifted instead of rising).
-    # - an eval of 200 held-out prompts x 4 every 6 steps: 27 points, 14 of them (R0 included) in
-    #   the first half of the compute, sampling noise ~0.014. x 8 (noise ~0.010) costs ~13 s an
-    #   eval instead of ~8.5 (medians, alone on the CPU); on a CPU the evals queue behind training
-    #   and drain at the end (~3 minutes here), and the run would not fit in 15 minutes. With 11
-    #   points and the policy's own swings (~0.02), no fit could tell A from one 0.05 higher.
-    # - save_every 0 (a checkpoint at the end and on Ctrl-C only): on a CPU the evals queue behind
-    #   training, and a checkpoint waits for them, which puts minutes of eval on the compute clock
-    #   in the middle of the fitted curve.
+    # the Args defaults: a 0.43M-parameter Qwen3 (tasks/tiny.py) on arith, on CPU, sized so that
+    # the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
+    # measurements behind each value: docs/history-presets.md)
     "tiny": dict(
-        max_lag=2,
-        lr=2e-4,
-        prompts_per_step=12,
-        group_size=16,
-        steps=156,
-        eval_every=6,
+        max_lag=2,  # the trainer is the slow side: at k = 8 the sampled pass rate drifted
+        lr=2e-4,  # 3e-4 swung consecutive evals by 0.029-0.041, 2e-4 by 0.015-0.035 (3 seeds)
+        prompts_per_step=12,  # ~3.2 s a step against ~3.9 with 16; the fits' C_mid 10-11% of C
+        group_size=16,  # groups of 8 left a few noisy groups a step after the filter (0.76 -> 0.66)
+        steps=156,  # 156 steps: fits 15 min on 2 cores on a slow day (175 took 914-953 s)
+        eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
-        eval_n=4,
-        save_every=0,
+        eval_n=4,  # sampling noise ~0.014; x 8 (~0.010) would not fit 15 minutes
+        save_every=0,  # a checkpoint waits for the queued evals: minutes on the compute clock
     ),
     "smollm2-135m": dict(
         path=None,
@@ -279,13 +268,8 @@ PRESETS = {
         kv_cache_gib=0.5,
         gen_dtype="float32",
     ),
-    # Activation checkpointing only where memory needs it. Estimated trainer memory at one
-    # 16,512-token micro-batch on 1 of 8 ranks without / with it (bench/gpu_trainer.py --plan: fp32
-    # states sharded, bf16 activations, head transients): 0.6b 38.7 / 5.6 GiB, 1.7b 59.9 / 10.6, 4b
-    # 116 / 18, 8b 155 / 34. Rule: off where it fits in 75% of an 80 GB trainer GPU (60 GiB; the
-    # default placement gives vLLM GPUs of its own): 0.6b off, 1.7b (at the edge), 4b and 8b on.
-    # With --share-gpu vLLM takes half of rank 0's GPU: pass --activation-checkpointing for 0.6b
-    # too. Not yet checked against a measured peak on a GPU.
+    # activation checkpointing where the estimate without it reaches 60 GiB, 75% of an 80 GB GPU
+    # (1.7b at the edge; bench/gpu_trainer.py --plan; not yet measured: docs/history-presets.md)
     "qwen3-0.6b": dict(PAPER_GEN, path="Qwen/Qwen3-0.6B", lr=1e-6, activation_checkpointing=False),
     "qwen3-1.7b": dict(PAPER_GEN, path="Qwen/Qwen3-1.7B", lr=1e-6, activation_checkpointing=True),
     "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
@@ -299,8 +283,8 @@ PRESETS = {
 PRESETS["hf-cpu"] = dict(
     PRESETS["smollm2-135m"], think_budget=(192, 256), max_model_len=896, kv_cache_gib=1.0
 )
-# --recipe NAME: the paper's compared recipes (§4, A.16; PAPER.md 10.2) and leave-one-out variants
-# (Fig 7) as flag settings on top of ScaleRL. A flag given on the command line wins over the recipe.
+# --recipe NAME: the paper's compared recipes (§4; Fig 2, A.16) and leave-one-out variants (Fig 7)
+# as flag settings on top of ScaleRL. A flag given on the command line wins over the recipe.
 RECIPES = {
     "scalerl": {},
     "deepseek-grpo": dict(
@@ -397,8 +381,8 @@ def parse_args(argv=None) -> Args:
     """Defaults = ScaleRL, then the --model preset, then the --recipe, then (with --resume) the
     run's saved args; explicit flags win over all of them. An unknown model (hub id or directory)
     gets the "hf" row with CUDA and the "hf-cpu" row without. Raises BadInput (code 2) for an
-    unknown preset or recipe or a --resume directory that holds no run; tyro exits 2 on a malformed
-    flag and 0 after --help."""
+    unknown preset or a --resume directory that holds no run; tyro exits 2 on a malformed flag and 0
+    after --help."""
     argv = sys.argv[1:] if argv is None else argv
     # a first pass reads the three flags that pick the defaults the full parse starts from
     pre = argparse.ArgumentParser(add_help=False)
@@ -432,10 +416,9 @@ def saved_args(run_dir: str) -> Args:
 
 def preset_args(model: str, recipe: str) -> Args:
     """Args with the --model preset's row, then the --recipe's flags, over the ScaleRL defaults. An
-    unknown model (hub id or directory) gets the "hf" row with CUDA, the "hf-cpu" row without.
-    Raises BadInput (code 2) for an unknown recipe, or a model that is no preset, hub id or path."""
-    if recipe not in RECIPES:
-        raise BadInput(f"--recipe {recipe}: unknown; choose from {', '.join(RECIPES)}")
+    unknown model (hub id or directory) gets the "hf" row with CUDA, the "hf-cpu" row without; an
+    unknown recipe adds no flags (validate names it). Raises BadInput (code 2) for a model that is
+    no preset, hub id or path."""
     kind = model_kind(model)
     if kind == "unknown":
         names = ", ".join(k for k in PRESETS if not k.startswith("hf"))
@@ -447,7 +430,7 @@ def preset_args(model: str, recipe: str) -> Args:
     else:
         row = "hf" if has_cuda() else "hf-cpu"
         preset = dict(PRESETS[row], path=model)
-    return Args(**{**preset, **RECIPES[recipe], "model": model, "recipe": recipe})
+    return Args(**{**preset, **RECIPES.get(recipe, {}), "model": model, "recipe": recipe})
 
 
 def parse_task_weights(items: list[str] | None) -> dict[str, float] | None:
@@ -474,177 +457,130 @@ def parse_task_weights(items: list[str] | None) -> dict[str, float] | None:
     return weights
 
 
-# ---- checks: one (flag, value, ok, why) per rule; validate raises on the first that fails --------
-# Each group returns its checks in a fixed order, so the first bad flag reported never changes;
-# `a` is `args`, short so that a check fits one line.
-
-
-def schedule_checks(args: Args) -> list[tuple]:
-    """The run's length, evaluations, timeouts, checkpoints and logs."""
-    a = args
-    return [
-        ("--steps", a.steps, a.steps >= 1, "must be >= 1"),
-        ("--eval-every", a.eval_every, a.eval_every >= 1, "must be >= 1"),
-        ("--eval-size", a.eval_size, a.eval_size >= 1, "must be >= 1"),
-        ("--eval-n", a.eval_n, a.eval_n >= 1, "must be >= 1"),
-        ("--eval-gpus", a.eval_gpus, a.eval_gpus is None or a.eval_gpus >= 0, "must be >= 0"),
-        ("--dist-timeout", a.dist_timeout, a.dist_timeout > 0, "must be > 0 (seconds)"),
-        (
-            "--gen-timeout",
-            a.gen_timeout,
-            a.gen_timeout is None or a.gen_timeout > 0,
-            "must be > 0 (seconds)",
-        ),
-        ("--save-every", a.save_every, a.save_every >= 0, "must be >= 0 (0: only at the end)"),
-        ("--log-samples", a.log_samples, a.log_samples >= 0, "must be >= 0"),
-    ]
-
-
 def groups_per_step(args: Args) -> int:
     """P, the prompt groups in one batch: --prompts-per-step scaled by --batch-scale (the DAPO and
     MiniMax recipes ran 80 prompts where ScaleRL runs 48)."""
     return round(args.prompts_per_step * args.batch_scale)
 
 
-def size_checks(args: Args, world: int) -> list[tuple]:
-    """Batch sizes: prompts and groups per step, micro-batches."""
-    a = args
-    P = groups_per_step(a)
-    return [
-        ("--prompts-per-step", a.prompts_per_step, a.prompts_per_step >= 1, "must be >= 1"),
-        ("--batch-scale", a.batch_scale, P >= 1, "must leave >= 1 prompt per step"),
-        ("--group-size", a.group_size, a.group_size >= 2, "must be >= 2 (group advantages)"),
-        (
-            "--group-size",
-            a.group_size,
-            a.group_size % world == 0,
-            f"must divide across {world} ranks",
-        ),
-        ("--micro-batch-size", a.micro_batch_size, a.micro_batch_size >= 1, "must be >= 1"),
-        (
-            "--max-tokens-per-microbatch",
-            a.max_tokens_per_microbatch,
-            a.max_tokens_per_microbatch >= 0,
-            "must be >= 0 (0: micro-batches of --micro-batch-size padded sequences)",
-        ),
-    ]
-
-
-def length_checks(args: Args) -> list[tuple]:
-    """Token budgets, and that a whole rollout fits vLLM's context."""
-    a = args
-    lo, hi = a.think_budget
-    # the longest rollout: prompt, thinking, the phrase (at most one token per character), answer
-    need = a.max_prompt_len + hi + len(a.phrase) + a.answer_budget
-    return [
-        ("--think-budget", f"{lo} {hi}", 0 < lo <= hi, "needs 0 < lo <= hi"),
-        ("--answer-budget", a.answer_budget, a.answer_budget >= 1, "must be >= 1"),
-        ("--max-prompt-len", a.max_prompt_len, a.max_prompt_len >= 1, "must be >= 1"),
-        (
-            "--max-model-len",
-            a.max_model_len,
-            need <= a.max_model_len,
-            f"< max_prompt_len + think_budget[1] + phrase + answer_budget = {need}",
-        ),
-    ]
-
-
-def algorithm_checks(args: Args) -> list[tuple]:
-    """Sampling, off-policyness, filters, loss and optimizer."""
-    a = args
-    # PPO-off-policy-k trains k batches per weight version, so it needs k >= 1
-    min_lag = 1 if a.async_mode == "ppo" else 0
-    return [
-        ("--temperature", a.temperature, a.temperature > 0, "must be > 0"),
-        (
-            "--max-lag",
-            a.max_lag,
-            a.max_lag >= min_lag,
-            f"must be >= {min_lag} with --async-mode {a.async_mode}",
-        ),
-        ("--npr-threshold", a.npr_threshold, 0 < a.npr_threshold <= 1, "must be in (0, 1]"),
-        ("--cispo-cap", a.cispo_cap, a.cispo_cap > 0, "must be > 0"),
-        ("--eps-low", a.eps_low, a.eps_low >= 0, "must be >= 0"),
-        ("--eps-high", a.eps_high, a.eps_high >= 0, "must be >= 0"),
-        ("--lr", a.lr, a.lr > 0, "must be > 0"),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, "must be >= 0"),
-        ("--adam-eps", a.adam_eps, a.adam_eps > 0, "must be > 0"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "must be > 0"),
-    ]
-
-
-def device_checks(args: Args) -> list[tuple]:
-    """vLLM's dtype, parallelism and memory."""
-    a = args
-    dtypes = ("auto", "float32", "bfloat16", "float16")
-    tp = a.tensor_parallel_size
-    n_gpus = len(a.generator_gpus or [])
-    mem = a.gpu_memory_utilization
-    return [
-        (
-            "--gen-dtype",
-            a.gen_dtype,
-            a.gen_dtype in dtypes,
-            "must be auto, float32, bfloat16 or float16",
-        ),
-        (
-            "--tensor-parallel-size",
-            tp,
-            tp >= 1 and n_gpus % tp == 0,
-            f"must be >= 1 and divide the {n_gpus} --generator-gpus",
-        ),
-        ("--gpu-memory-utilization", mem, mem is None or 0 < mem <= 1, "must be in (0, 1]"),
-        (
-            "--kv-cache-gib",
-            a.kv_cache_gib,
-            a.kv_cache_gib is None or a.kv_cache_gib > 0,
-            "must be > 0",
-        ),
-    ]
-
-
-def path_checks(args: Args) -> list[tuple]:
-    """The recipe's name, the run directory, and a local model directory."""
-    recipes = ", ".join(RECIPES)
-    checks = [("--recipe", args.recipe, args.recipe in RECIPES, f"unknown; choose from {recipes}")]
-    # with --resume a checkpoint in the run directory is expected, not refused
-    run_dir = args.run_dir if not args.resume else None
-    has_checkpoint = bool(run_dir) and os.path.exists(os.path.join(run_dir, "state.json"))
-    checks.append(
-        (
-            "--run-dir",
-            run_dir,
-            not has_checkpoint,
-            f"holds a run with a checkpoint; continue it with --resume {run_dir}, or pick another "
-            "--run-dir",
+def validate(args: Args, world: int) -> None:
+    """Every flag's rule, checked here and only here, before any expensive work, in the order of
+    Args' fields (a rule on several fields comes after the last of them). Raises BadInput (code 2)
+    naming the first bad flag and its value: `--steps 0: must be >= 1`. The two rules that need the
+    data (--eval-size against each task's prompts, --task-weights against the data's tasks) are
+    loading.load_prompts', once it has loaded."""
+    # --- run, seed, logging
+    checkpointed = bool(args.run_dir) and os.path.exists(os.path.join(args.run_dir, "state.json"))
+    if checkpointed and not args.resume:  # with --resume a checkpoint there is expected
+        raise BadInput(
+            f"--run-dir {args.run_dir}: holds a run with a checkpoint; continue it with --resume "
+            f"{args.run_dir}, or pick another --run-dir"
         )
-    )
+    if args.steps < 1:
+        raise BadInput(f"--steps {args.steps}: must be >= 1")
+    if args.eval_every < 1:
+        raise BadInput(f"--eval-every {args.eval_every}: must be >= 1")
+    if args.eval_size < 1:
+        raise BadInput(f"--eval-size {args.eval_size}: must be >= 1")
+    if args.eval_n < 1:
+        raise BadInput(f"--eval-n {args.eval_n}: must be >= 1")
+    if args.save_every < 0:
+        raise BadInput(f"--save-every {args.save_every}: must be >= 0 (0: only at the end)")
+    if args.log_samples < 0:
+        raise BadInput(f"--log-samples {args.log_samples}: must be >= 0")
+    if args.dist_timeout <= 0:
+        raise BadInput(f"--dist-timeout {args.dist_timeout}: must be > 0 (seconds)")
+    # --- model and devices
     if args.path is not None and model_kind(args.path) == "dir":
         flag = "--model" if args.path == args.model else "--path"
         path = os.path.expanduser(args.path)
-        exists = os.path.isdir(path)
-        is_model = not exists or os.path.exists(os.path.join(path, "config.json"))
-        checks.append((flag, args.path, exists, "no such directory"))
-        checks.append((flag, args.path, is_model, "not a model directory (no config.json in it)"))
-    return checks
-
-
-def validate(args: Args, world: int) -> None:
-    """One check per flag, before any expensive work, in the order of the groups above. Raises
-    BadInput (code 2) naming the first bad flag and its value: `--steps 0: must be >= 1`."""
-    checks = (
-        schedule_checks(args)
-        + size_checks(args, world)
-        + length_checks(args)
-        + algorithm_checks(args)
-        + device_checks(args)
-        + path_checks(args)
-    )
-    for flag, value, ok, why in checks:
-        if not ok:
-            raise BadInput(f"{flag} {value}: {why}")
+        if not os.path.isdir(path):
+            raise BadInput(f"{flag} {args.path}: no such directory")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise BadInput(f"{flag} {args.path}: not a model directory (no config.json in it)")
+    if args.eval_gpus is not None and args.eval_gpus < 0:
+        raise BadInput(f"--eval-gpus {args.eval_gpus}: must be >= 0")
+    tp = args.tensor_parallel_size
+    n_gpus = len(args.generator_gpus or [])
+    if tp < 1 or n_gpus % tp != 0:
+        raise BadInput(
+            f"--tensor-parallel-size {tp}: must be >= 1 and divide the {n_gpus} --generator-gpus"
+        )
+    mem = args.gpu_memory_utilization
+    if mem is not None and not 0 < mem <= 1:
+        raise BadInput(f"--gpu-memory-utilization {mem}: must be in (0, 1]")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise BadInput(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
+    if args.gen_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise BadInput(f"--gen-dtype {args.gen_dtype}: must be auto, float32, bfloat16 or float16")
+    # --- data
     parse_task_weights(args.task_weights)
+    if args.max_prompt_len < 1:
+        raise BadInput(f"--max-prompt-len {args.max_prompt_len}: must be >= 1")
+    # --- generation
+    if args.prompts_per_step < 1:
+        raise BadInput(f"--prompts-per-step {args.prompts_per_step}: must be >= 1")
+    if args.group_size < 2:
+        raise BadInput(f"--group-size {args.group_size}: must be >= 2 (group advantages)")
+    if args.group_size % world != 0:
+        raise BadInput(f"--group-size {args.group_size}: must divide across {world} ranks")
+    if args.temperature <= 0:
+        raise BadInput(f"--temperature {args.temperature}: must be > 0")
+    lo, hi = args.think_budget
+    if not 0 < lo <= hi:
+        raise BadInput(f"--think-budget {lo} {hi}: needs 0 < lo <= hi")
+    if args.answer_budget < 1:
+        raise BadInput(f"--answer-budget {args.answer_budget}: must be >= 1")
+    # the longest rollout: prompt, thinking, the phrase (at most one token per character), answer
+    need = args.max_prompt_len + hi + len(args.phrase) + args.answer_budget
+    if need > args.max_model_len:
+        raise BadInput(
+            f"--max-model-len {args.max_model_len}: < max_prompt_len + think_budget[1] + phrase + "
+            f"answer_budget = {need}"
+        )
+    if args.gen_timeout is not None and args.gen_timeout <= 0:
+        raise BadInput(f"--gen-timeout {args.gen_timeout}: must be > 0 (seconds)")
+    # PPO-off-policy-k trains k batches per weight version, so it needs k >= 1
+    min_lag = 1 if args.async_mode == "ppo" else 0
+    if args.max_lag < min_lag:
+        raise BadInput(
+            f"--max-lag {args.max_lag}: must be >= {min_lag} with --async-mode {args.async_mode}"
+        )
+    # --- filters
+    if not 0 < args.npr_threshold <= 1:
+        raise BadInput(f"--npr-threshold {args.npr_threshold}: must be in (0, 1]")
+    # --- loss
+    if args.recipe not in RECIPES:
+        raise BadInput(f"--recipe {args.recipe}: unknown; choose from {', '.join(RECIPES)}")
+    if args.cispo_cap <= 0:
+        raise BadInput(f"--cispo-cap {args.cispo_cap}: must be > 0")
+    if args.eps_low < 0:
+        raise BadInput(f"--eps-low {args.eps_low}: must be >= 0")
+    if args.eps_high < 0:
+        raise BadInput(f"--eps-high {args.eps_high}: must be >= 0")
+    if args.gspo_eps_low < 0:
+        raise BadInput(f"--gspo-eps-low {args.gspo_eps_low}: must be >= 0")
+    if args.gspo_eps_high < 0:
+        raise BadInput(f"--gspo-eps-high {args.gspo_eps_high}: must be >= 0")
+    # --- optimizer
+    if args.lr <= 0:
+        raise BadInput(f"--lr {args.lr}: must be > 0")
+    if args.warmup_steps < 0:
+        raise BadInput(f"--warmup-steps {args.warmup_steps}: must be >= 0")
+    if args.weight_decay < 0:
+        raise BadInput(f"--weight-decay {args.weight_decay}: must be >= 0")
+    if args.adam_eps <= 0:
+        raise BadInput(f"--adam-eps {args.adam_eps}: must be > 0")
+    if args.max_grad_norm <= 0:
+        raise BadInput(f"--max-grad-norm {args.max_grad_norm}: must be > 0")
+    if args.max_tokens_per_microbatch < 1:
+        raise BadInput(
+            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: must be >= 1"
+        )
+    if args.micro_batch_size < 1:
+        raise BadInput(f"--micro-batch-size {args.micro_batch_size}: must be >= 1")
+    if groups_per_step(args) < 1:
+        raise BadInput(f"--batch-scale {args.batch_scale}: must leave >= 1 prompt per step")
 
 
 def cli(argv=None) -> Args:

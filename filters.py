@@ -1,9 +1,11 @@
-"""Data filters of ScaleRL: zero-variance filtering, the No-Positive-Resampling prompt pool, DAPO's
-length penalty.
+"""Every batch filter of ScaleRL: rollouts with a non-finite behaviour log-prob dropped,
+zero-variance filtering, DAPO's length penalty, and the No-Positive-Resampling prompt pool (per task
+for a mixture).
 
 Paper: §3.2 (Fig 6a zero-variance filtering, Fig 6b adaptive prompt filtering =
-No-Positive-Resampling from Polaris), A.10 Eq. 9 (length penalty, the `loo-lp` ablation);
-PAPER.md §4 and §7.3. Exercised by `python -m pytest tests/test_filters.py` and by every
+No-Positive-Resampling from Polaris), A.10 Eq. 9 (length penalty, the `loo-lp` ablation). Pure
+functions and the pools' state, no flags: train.get_batch calls the batch filters in turn and
+infra/loading.py builds the pool. Exercised by `python -m pytest tests/test_filters.py` and by every
 `python train.py`.
 
 Where this departs from the paper, and why:
@@ -13,8 +15,9 @@ Where this departs from the paper, and why:
 2. Retirement takes effect immediately for later `next()` calls, not at the epoch boundary. Each
    prompt is drawn once per epoch, so the two only differ for groups still in flight across a
    boundary (PipelineRL).
-3. The length penalty is returned, not added: the caller adds it to correct traces only (A.10), so
-   that the reward stays a pure verdict for pass-rate logging and No-Positive-Resampling.
+3. The length penalty shapes the reward only after the pass rates are recorded (train.get_batch),
+   so that the recorded reward stays a pure verdict for pass-rate logging and
+   No-Positive-Resampling.
 4. A prompt drawn but never trained on comes back: one in flight at a checkpoint is served first
    after the resume, one whose group went stale (PipelineRL) is handed back (`release`) and served
    next. Long prompts are the ones in flight or late, so skipping them would bias training towards
@@ -23,10 +26,12 @@ Where this departs from the paper, and why:
    drawn by a task weight, and each task keeps its own pool (`TaskPools`), so retirement and epochs
    are per task and a task that is fully retired stops being drawn. A prompt handed back, or in
    flight at a checkpoint, is served first the next time its task is drawn.
+6. A rollout whose behaviour log-prob is NaN or +-inf on a policy token (a sampler fault the paper
+   does not discuss) leaves its group before advantages are computed (drop_nonfinite_logp).
 """
 
 import collections
-import math
+import dataclasses
 import operator
 import threading
 from fractions import Fraction
@@ -62,14 +67,86 @@ def length_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch
     """(S,) float32 DAPO overlong penalty, A.10 Eq. 9: clip((L_max - |y|) / L_cache - 1, -1, 0).
 
     lengths: (S,) response lengths |y| in tokens. 0 up to max_len - cache_len tokens, then a linear
-    ramp to -1 at max_len, -1 beyond (paper: L_max 14k, L_cache 2k). The caller adds it to the
-    reward of correct traces only (A.10). Raises ValueError unless 0 < cache_len <= max_len."""
-    if not 0 < cache_len <= max_len:
-        raise ValueError(
-            f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
-        )
+    ramp to -1 at max_len, -1 beyond (paper: L_max 14k, L_cache 2k); 0 < cache_len <= max_len
+    (config.validate: --answer-budget >= 1, 0 < think_budget[0] <= think_budget[1]).
+    dapo_length_penalty adds it to the reward of correct traces only (A.10)."""
     lengths = torch.as_tensor(lengths, dtype=torch.float64)
     return ((max_len - lengths) / cache_len - 1).clamp(-1.0, 0.0).to(torch.float32)  # A.10 Eq. 9
+
+
+def drop_nonfinite_logp(groups) -> tuple[list, int]:
+    """(groups, n): the groups without their rollouts whose behaviour log-prob (Completion.logp) is
+    NaN or +-inf on a policy token (mask True), and n, how many rollouts were dropped (logged as
+    gen/nonfinite_logp). That is a sampler fault: rho against such a log-prob is NaN or silently
+    capped, and train.check_batch raises on it. Runs on rank 0 before collate, so advantages and
+    aggregation weights are computed without the dropped rollouts; a group left with no rollout is
+    dropped whole. Prints one warning line per dropped rollout naming its prompt (the data index,
+    as in samples.jsonl) and the token's position in the completion. The input is not modified."""
+    kept, dropped = [], 0
+    for g in groups:
+        keep = []
+        for j, c in enumerate(g.completions):
+            bad = (c.mask & ~torch.isfinite(c.logp)).nonzero()  # (n, 1) positions in the completion
+            if len(bad):
+                t = int(bad[0, 0])
+                print(
+                    f"warning: dropped rollout {j} of prompt {g.prompt.index}: behaviour log-prob "
+                    f"{c.logp[t].item()} at completion token {t} (a sampler fault)",
+                    flush=True,
+                )
+            else:
+                keep.append(j)
+        # a group keeps its place with fewer rollouts; its advantages use only those left
+        dropped += len(g.completions) - len(keep)
+        if len(keep) == len(g.completions):
+            kept.append(g)
+        elif keep:
+            comps = [g.completions[j] for j in keep]
+            rewards = [g.rewards[j] for j in keep]
+            kept.append(dataclasses.replace(g, completions=comps, rewards=rewards))
+    return kept, dropped
+
+
+def has_variance(g) -> bool:
+    """Whether a group's rewards differ (True: it is kept). A zero-variance group has zero advantage
+    everywhere, so it adds nothing to the gradient (§3.2, Fig 6a; DAPO's dynamic sampling without
+    the resampling)."""
+    rewards = torch.tensor(g.rewards)
+    # one group: every rollout gets group id 0; the mask (True: kept) is True on all or on none
+    return bool(zero_variance_mask(rewards, torch.zeros(len(g.rewards))).any())
+
+
+def dapo_length_penalty(groups, *, max_len: int, cache_len: int) -> list:
+    """The groups with DAPO's overlong penalty (A.10 Eq. 9, length_penalty: 0, then a ramp to -1
+    over the last cache_len tokens before max_len, the longest completion the sampler allows) added
+    to the reward of each correct rollout (reward > 0: "added only to correct traces", A.10). The
+    input is not modified."""
+    out = []
+    for g in groups:
+        lengths = torch.tensor([len(c.completion_ids) for c in g.completions])
+        pen = length_penalty(lengths, max_len, cache_len)  # (G,) float32
+        rewards = torch.tensor(g.rewards, dtype=torch.float64)  # (G,)
+        # in float64, as collate keeps rewards (the penalty itself is float32)
+        shaped = torch.where(rewards > 0, rewards + pen.double(), rewards)
+        out.append(dataclasses.replace(g, rewards=shaped.tolist()))
+    return out
+
+
+def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> dict[str, float]:
+    """{task: weight} for prompts whose tasks are `tasks` ((N,) one name per prompt), in order of
+    first appearance: `weights` as given (finite, >= 0, one > 0: config.parse_task_weights), or each
+    task's number of prompts when None (as if the sources were one concatenated set). Raises
+    ValueError naming a task of the data without a weight, or a weight for a task the data lacks."""
+    names = list(dict.fromkeys(tasks))
+    if weights is None:
+        return {t: float(n) for t, n in collections.Counter(tasks).items()}
+    missing = [t for t in names if t not in weights]
+    if missing:
+        raise ValueError(f"no weight for task {missing[0]} (its tasks: {', '.join(names)})")
+    unknown = [t for t in weights if t not in names]
+    if unknown:
+        raise ValueError(f"no task {unknown[0]} in the data (its tasks: {', '.join(names)})")
+    return {t: float(weights[t]) for t in names}
 
 
 class PromptPool:
@@ -97,10 +174,8 @@ class PromptPool:
         if policy not in ("no_positive", "uniform"):
             raise ValueError(f"policy must be 'no_positive' or 'uniform', got {policy!r}")
         # Fraction(0.9) is 0.9000000000000000222..., which 9/10 would not reach; the decimal
-        # string is exact.
+        # string is exact. In (0, 1]: config.validate's --npr-threshold rule.
         self.threshold = Fraction(str(threshold))
-        if not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         self.n_prompts = n_prompts
         self.policy = policy
         self.seed = seed
@@ -117,12 +192,6 @@ class PromptPool:
 
     def _permutation(self, epoch: int) -> list[int]:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_prompts).tolist()
-
-    @property
-    def epoch(self) -> int:
-        """Which pass over the prompts `next()` is in (0 for the first); it advances when a pass
-        runs out."""
-        return self._epoch
 
     @property
     def num_active(self) -> int:
@@ -225,28 +294,6 @@ class PromptPool:
             self._retired = set(state["retired"])
             self._again = collections.deque(state.get("unfinished", []))
             self._drawn = []
-
-
-def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> dict[str, float]:
-    """{task: weight} for prompts whose tasks are `tasks` ((N,) one name per prompt), in order of
-    first appearance: `weights` as given, or each task's number of prompts when None (as if the
-    sources were one concatenated set). Raises ValueError naming the problem: a task of the data
-    without a weight, a weight for a task the data lacks, a weight that is negative or not finite,
-    or none above 0."""
-    names = list(dict.fromkeys(tasks))
-    if weights is None:
-        return {t: float(n) for t, n in collections.Counter(tasks).items()}
-    missing = [t for t in names if t not in weights]
-    if missing:
-        raise ValueError(f"no weight for task {missing[0]} (its tasks: {', '.join(names)})")
-    unknown = [t for t in weights if t not in names]
-    if unknown:
-        raise ValueError(f"no task {unknown[0]} in the data (its tasks: {', '.join(names)})")
-    if not all(math.isfinite(w) and w >= 0 for w in weights.values()):
-        raise ValueError("weights must be finite and >= 0")
-    if not any(weights[t] > 0 for t in names):
-        raise ValueError("at least one weight must be > 0")
-    return {t: float(weights[t]) for t in names}
 
 
 class TaskPools:

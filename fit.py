@@ -3,16 +3,17 @@
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) = R0 + (A - R0) expit(B (ln C - ln C_mid))  (Eq. 1)
 
 A: ceiling (asymptotic pass rate), B: efficiency exponent, C_mid: compute at half the gain, R0: pass
-rate before RL. Pure: arrays in, numbers out. `python fit.py RUN_DIR ...` runs fit_report.py.
+rate before RL. Pure: arrays in, numbers out. `python fit.py RUN_DIR ...` runs infra/fit_report.py.
 
 Where this departs from the paper, and why:
 1. method="fast" (default): least squares (R0 <= A <= 1, B >= 0) from every basin of a coarse scan,
    an SSE no worse than the A.5 grid's, far faster, at any compute scale (A.5's suits GPU-hours).
 2. The curve is always evaluated as expit(B (ln C - ln C_mid)): no power or exponential overflows.
    The grid's per-point curve_fit uses it too (the same function of B, the same start B = 1).
-3. The grid skips points where curve_fit fails, gives B <= 0 (PAPER.md 8.1: B > 0), or hands back
+3. The grid skips points where curve_fit fails, gives B <= 0 (Eq. 1: B > 0), or hands back
    its start with an infinite covariance; an optimum on the grid's edge is flagged not converged.
-4. R0 is held fixed (PAPER.md 8.3, [inferred]); fit_report.py takes it from the step-0 eval.
+4. R0 is held fixed (A.5 calls the fit a three-parameter problem, {A, B, C_mid});
+   infra/fit_report.py takes it from the step-0 eval.
 5. A fit must identify its ceiling (ours, issue 12): see _identify; a curve's left tail fits any A.
 6. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4).
 """
@@ -37,7 +38,7 @@ Method = Literal["fast", "grid"]
 
 
 def sigmoid(C, A, B, C_mid, R0):
-    """Eq. 1 (PAPER.md 8.1). C: array-like of compute >= 0 (any unit, C_mid's); A, B, C_mid > 0, R0:
+    """Eq. 1 (§2.1). C: array-like of compute >= 0 (any unit, C_mid's); A, B, C_mid > 0, R0:
     floats. Returns the pass rate, float64 shaped like C (R0 at C = 0). ValueError if any C < 0."""
     C = np.asarray(C, dtype=np.float64)
     if np.any(C < 0):
@@ -120,7 +121,10 @@ def _lsq(res, jac, starts, lo, hi):
     stopped early, a singular Jacobian = infinite covariance) and the parameters' standard errors
     from the covariance sse / (n - k) (J^T J)^-1 (what curve_fit reports)."""
     best = min((_ls(res, jac, p0, lo, hi) for p0 in starts), key=lambda out: out.cost)
-    J, problems = best.jac, [f"optimizer stopped: {best.message}"] * (best.status <= 0)
+    J = best.jac
+    problems = []
+    if best.status <= 0:
+        problems.append(f"optimizer stopped: {best.message}")
     se = np.sqrt(np.diag(np.linalg.pinv(J.T @ J)) * 2 * best.cost / max(len(J) - J.shape[1], 1))
     sv = np.linalg.svd(J, compute_uv=False)
     if sv[-1] <= RANK_TOL * sv[0]:  # an infinite covariance
@@ -141,17 +145,29 @@ def _scan(u, r):
 def _fit_fast(C, R, R0, A=None) -> SigmoidFit:
     """Least squares in (A, B, m) ((B, m) if A is fixed) from the best cell of each of the 3 best
     basins of _scan (a basin: a cell no worse than its 8 neighbours; A in closed form there)."""
-    x, r, fixed = np.log(C), R - R0, A is not None
-    u, w = x - x.mean(), max(np.ptp(x), 1e-12)  # centred ln C: the same problem at any scale
+    x = np.log(C)
+    r = R - R0
+    fixed = A is not None
+    k = 1 if fixed else 0  # parameters (A, B, m)[k:]: A is not one when fixed
+    u = x - x.mean()  # centred ln C: the same problem at any scale
+    w = max(np.ptp(x), 1e-12)
     Bs, ms, sr, ss = _scan(u, r)
     a = np.full(sr.shape, A - R0) if fixed else np.clip(sr / np.maximum(ss, 1e-300), 0, 1 - R0)
     sse = r @ r - 2 * a * sr + a * a * ss
     cells = np.argwhere(sse <= minimum_filter(sse, size=3, mode="constant", cval=np.inf))
     _, first = np.unique(sse[tuple(cells.T)], return_index=True)  # one cell per plateau, best first
-    starts = [(R0 + a[i, j], Bs[i], ms[j])[fixed:] for i, j in cells[first[:3]]]
-    lo, hi = [R0, 0.0, -np.inf][fixed:], [1.0, np.inf, np.inf][fixed:]  # PAPER.md 8.1, closed
+    starts = [(R0 + a[i, j], Bs[i], ms[j])[k:] for i, j in cells[first[:3]]]
+    lo = [R0, 0.0, -np.inf][k:]  # Eq. 1's bounds, closed: R0 <= A <= 1, B >= 0
+    hi = [1.0, np.inf, np.inf][k:]
     out, problems, se = _lsq(*_model(u, R, R0, A), starts, lo, hi)
-    (A_, B_, m), (se_A, se_B, se_m) = ((A, *out.x), (0, *se)) if fixed else (out.x, se)
+    if fixed:
+        A_ = A
+        B_, m = out.x
+        se_A = 0
+        se_B, se_m = se
+    else:
+        A_, B_, m = out.x
+        se_A, se_B, se_m = se
     with np.errstate(over="ignore"):
         C_mid = float(np.exp(m + x.mean()))
     se_big = not problems and (se_A > A_ - R0 or se_B > B_ or se_m > w)  # m: vs the ln C span
@@ -170,7 +186,9 @@ def _fit_fast(C, R, R0, A=None) -> SigmoidFit:
 
 def _fit_grid(C, R, R0, grid_A, grid_C_mid) -> SigmoidFit:
     """A.5: for each (A, C_mid), fit B with curve_fit from its default start; keep the least SSE."""
-    x, best, n_bad = np.log(C), (math.inf,), 0
+    x = np.log(C)
+    best = (math.inf,)  # (SSE, A, B, C_mid) of the best grid point so far
+    n_bad = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OptimizeWarning)  # an infinite covariance: checked below
         for A, C_mid in itertools.product(grid_A, grid_C_mid):
@@ -215,7 +233,9 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
     fit.A (issue 12: a half-run A within 0.05 of the whole run's). Not the standard error: a left
     tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits)."""
     x = np.log(C)
-    u, r, R0 = x - x.mean(), R - fit.R0, fit.R0
+    u = x - x.mean()
+    r = R - fit.R0
+    R0 = fit.R0
     Bs, ms, sr, ss = _scan(u, r)
 
     def profile(A, p):  # (least SSE, its (B, m)) at this A, from p or _scan's best cell if better
@@ -228,7 +248,8 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
         return 2 * out.cost, out.x
 
     steps = np.r_[0.025, np.arange(A_CLEAR, 1, A_CLEAR)]
-    up, down = [*(fit.A + steps)[fit.A + steps < 1], 1.0], fit.A - steps[fit.A - steps > R0 + 1e-3]
+    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0]
+    down = fit.A - steps[fit.A - steps > R0 + 1e-3]
     p_hat = (fit.B, math.log(fit.C_mid) - x.mean()) if 0 < fit.C_mid < math.inf else None
     prof = {fit.A: (fit.sse, p_hat)}  # A -> (SSE, (B, m))
     for side in (up, down):
@@ -238,7 +259,8 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
     for secant in (True, True, False):  # interpolate each end in t, refit there; twice
         As, sse = np.array([(A, prof[A][0]) for A in sorted(prof)]).T
         t = np.sqrt((sse - sse.min()) / max(stdtrit(dof, 0.975) ** 2 * sse.min() / dof, 1e-300))
-        inside, ends = np.flatnonzero(t < 1), []
+        inside = np.flatnonzero(t < 1)
+        ends = []
         for k, k_out in ((inside[0], inside[0] - 1), (inside[-1], inside[-1] + 1)):
             bracket = 0 <= k_out < len(As)  # else the end is the profile's last point: a bound
             ends.append(float(np.interp(1, t[[k, k_out]], As[[k, k_out]]) if bracket else As[k]))
@@ -254,8 +276,8 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
 def fit_sigmoid(
     C, R, R0, *, A=None, c_min=0.0, method: Method = "fast", grid_A=None, grid_C_mid=None
 ) -> SigmoidFit:
-    """Fits Eq. 1 to pass rate R (1-D) against compute C (1-D, any unit) with R0 fixed (PAPER.md
-    8.1-8.3), on the points with C >= c_min (A.5: 1,500 GPU-hours). A given: the §4 comparison
+    """Fits Eq. 1 to pass rate R (1-D) against compute C (1-D, any unit) with R0 fixed (§2.1,
+    A.5), on the points with C >= c_min (A.5: 1,500 GPU-hours). A given: the §4 comparison
     rule's fixed-A refit (B, C_mid fitted). method="grid": A.5 over grid_A x grid_C_mid (default:
     the paper's grids, for GPU-hours); "fast": multi-start least squares, scale-free. A free fit
     gets A's profile interval and the identifiability rule (_identify). Raises ValueError on
@@ -270,7 +292,12 @@ def fit_sigmoid(
     if method == "fast":
         fit = _fit_fast(C, R, R0, A)
     else:
-        gA = np.asarray([A] if A is not None else PAPER_GRID_A if grid_A is None else grid_A)
+        if A is not None:  # the fixed-A refit: a grid of one A
+            gA = np.asarray([A])
+        elif grid_A is None:
+            gA = PAPER_GRID_A
+        else:
+            gA = np.asarray(grid_A)
         gC = np.asarray(PAPER_GRID_C_MID if grid_C_mid is None else grid_C_mid, dtype=np.float64)
         if np.any(gA <= R0) or np.any(gA > 1) or np.any(gC <= 0):
             raise ValueError(f"grid_A must lie in (R0={R0}, 1] and grid_C_mid above 0")
@@ -296,60 +323,19 @@ def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=
     percentile interval of the converged refits. Unfittable resamples and refits not converged (A
     not identified too) are failed. No resampling if `fit` did not converge; NaN if < 2 converge."""
     C, R = _validate(C, R, fit.R0, c_min)
-    rng, draws = np.random.default_rng(seed), []
+    rng = np.random.default_rng(seed)
+    draws = []  # (A, B, C_mid) of each converged refit
     for _ in range(n_boot if fit.converged else 0):  # around a non-answer resampling means nothing
         i = rng.integers(0, len(C), len(C))
         try:
             f = fit_sigmoid(C[i], R[i], fit.R0, A=fit.A if fit.fixed_A else None)
         except ValueError:
             continue
-        draws += [(f.A, f.B, f.C_mid)] * f.converged
+        if f.converged:
+            draws.append((f.A, f.B, f.C_mid))
     q = [50 * (1 - level), 50 * (1 + level)]
     ci = np.percentile(draws, q, axis=0).T if len(draws) >= 2 else np.full((3, 2), np.nan)
     return Bootstrap(*(tuple(map(float, row)) for row in ci), len(draws), n_boot - len(draws))
-
-
-@dataclass
-class PowerLawFit:
-    """A.4's power law R(C) = A - D / C^B (B >= 0, D >= 0, A <= 1), fitted above a threshold."""
-
-    A: float
-    B: float
-    D: float
-    sse: float
-    n: int
-    converged: bool = True
-    message: str = ""
-
-    def predict(self, C):
-        return self.A - self.D * np.exp(-self.B * np.log(np.asarray(C, dtype=np.float64)))
-
-
-def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
-    """Least-squares fit of A.4's power law to the points with C >= c_min (1-D C, R). A.4: fitted
-    from low compute it overshoots the ceiling (A 1.0 vs the sigmoid's 0.645). Raises as
-    fit_sigmoid; A at its bound 1, a singular Jacobian or a standard error above B or D gives
-    converged=False."""
-    C, R = _validate(C, R, 0.0, c_min)
-    x = np.log(C)
-    u = x - x.mean()  # centred ln C: d = D exp(-B mean ln C) stays O(1) at any compute scale
-    res = lambda p: p[0] - p[2] * np.exp(-p[1] * u) - R
-    jac = lambda p: np.stack([np.ones_like(u), p[2] * u * np.exp(-p[1] * u), -np.exp(-p[1] * u)], 1)
-    scan = []  # for a fixed B the model is linear in (A, d): one linear solve per start slope
-    for B in np.geomspace(0.01, 64.0, 25) / np.ptp(x):
-        X = np.stack([np.ones_like(u), -np.exp(-B * u)], axis=1)
-        (A, d), *_ = np.linalg.lstsq(X, R)
-        scan.append((float(((X @ [A, d] - R) ** 2).sum()), A, B, d))
-    out, problems, se = _lsq(res, jac, [min(scan)[1:]], [-np.inf, 0.0, 0.0], [1.0, np.inf, np.inf])
-    A, B, d = out.x
-    with np.errstate(over="ignore"):  # d = D exp(-B mean ln C), as centred above
-        D = float(d * np.exp(B * x.mean()))
-    if A >= 1 - 1e-9:
-        problems.append("A at its bound 1")
-    if not problems and (se[1:] > out.x[1:]).any():
-        problems.append("standard error above the value of B or D: not determined by the data")
-    msg = "; ".join(problems)
-    return PowerLawFit(float(A), float(B), D, float(2 * out.cost), len(C), not msg, msg)
 
 
 @dataclass
@@ -364,13 +350,15 @@ class Comparison:
 
 
 def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
-    """§4, A.5 (PAPER.md 8.4). runs: [(C, R, R0), ...]. If the fitted A all lie within `margin`
+    """§4, A.5 (Fig 8a). runs: [(C, R, R0), ...]. If the fitted A all lie within `margin`
     (max - min < margin), refit every run with A fixed at their mean: the highest B scales best.
     Otherwise the highest A wins (A.8: the ceiling first). Raises as fit_sigmoid."""
     fits = [fit_sigmoid(C, R, R0, c_min=c_min) for C, R, R0 in runs]
     As = np.array([f.A for f in fits])
     if np.ptp(As) >= margin:
-        A_shared, refits, best = None, None, int(As.argmax())
+        A_shared = None
+        refits = None
+        best = int(As.argmax())
         rule = f"A spread {np.ptp(As):.3f} >= {margin}: higher A"
     else:
         A_shared = float(As.mean())
@@ -378,14 +366,16 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
         best = int(np.argmax([f.B for f in refits]))
         rule = f"A within {margin}: refit at mean A={A_shared:.4f}, higher B"
     bad = [k for k, f in enumerate(fits + (refits or [])) if not f.converged]
-    rule += f" (UNRELIABLE: fits {bad} not converged)" * bool(bad)
+    if bad:
+        rule += f" (UNRELIABLE: fits {bad} not converged)"
     return Comparison(fits, A_shared, refits, best, rule)
 
 
 def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Method = "fast"):
-    """§5 protocol (PAPER.md 8.5): fit on C <= fit_until (1-D C, R), predict the points beyond.
-    Returns (SigmoidFit, mean absolute error on the held-out points, their count). Raises
-    ValueError if no point lies beyond fit_until, and as fit_sigmoid."""
+    """§5's protocol (fit on half the target budget, extrapolate to the target): fit on C <=
+    fit_until (1-D C, R), predict the points beyond. Returns (SigmoidFit, mean absolute error on
+    the held-out points, their count). Raises ValueError if no point lies beyond fit_until, and as
+    fit_sigmoid."""
     C, R = np.asarray(C, dtype=np.float64), np.asarray(R, dtype=np.float64)
     tail = C > fit_until
     if not tail.any():

@@ -1,12 +1,13 @@
 """ScaleRL's loss math: fp32-head token log-probs, advantages, aggregation weights, and the CISPO
 / GSPO / DAPO / GRPO losses.
 
-Implements arXiv 2510.13786 §3.2 and §4 (digest: PAPER.md sections 1-3 and 5): the fp32 LM head
-(§3.2, Fig 5b), group-centred advantages with batch / prompt / no normalization (A.9), prompt /
-sample / token loss aggregation (A.9, Eq. 8) and the four losses (Eq. 4, A.2, A.17). Pure: tensors
-in, tensors out. One training step in train.py calls group_advantages and aggregation_weights once
-on the whole batch, then per micro-batch token_logprobs (inside train.Policy) -> policy_loss ->
-backward. Exercised by `python -m pytest tests/test_loss.py` and `python bench/logprobs.py`.
+Implements arXiv 2510.13786 §3.2 and §4: the fp32 LM head (§3.2, Fig 5b), group-centred
+advantages with batch / prompt / no normalization (§3.2, A.9 Fig 14b), prompt / sample / token
+loss aggregation (§3.2, A.9 Fig 14a, Eq. 8) and the four losses (CISPO Eq. 4 and A.17.2, GSPO
+A.17.3, DAPO / GRPO A.2). Pure: tensors in, tensors out. One training step in train.py calls
+group_advantages, aggregation_weights and check_values once on the whole batch, then per
+micro-batch token_logprobs (inside train.Policy) -> policy_loss -> backward. Exercised by
+`python -m pytest tests/test_loss.py` and `python bench/logprobs.py`.
 
 Where this departs from the paper, and why:
 1. GSPO's sequence ratio is length-normalized, exp(mean over valid tokens of log rho) (GSPO, arXiv
@@ -23,14 +24,9 @@ Where this departs from the paper, and why:
 
 import torch
 
-# a group std below this is float residue of a zero-variance group, not signal (DESIGN.md); the
+# a group std below this is float residue of a zero-variance group, not signal (departure 2); the
 # zero-variance filter (filters.py) uses the same floor
 STD_FLOOR = 1e-6
-
-
-def _check(ok, msg, exc=ValueError):
-    if not ok:
-        raise exc(msg)
 
 
 class _FP32HeadLogprobs(torch.autograd.Function):
@@ -74,8 +70,12 @@ class _FP32HeadLogprobs(torch.autograd.Function):
             elif need_dh:
                 dlogp_dh[s:e] = (w32[t] - probs.div_(z) @ w32).div_(temperature)  # (c, H)
             del logits, probs  # free this block before the next matmul allocates one
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.need_dh, ctx.need_dw, ctx.head_dtype, ctx.low = need_dh, need_dw, head_dtype, low
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.need_dh = need_dh
+        ctx.need_dw = need_dw
+        ctx.head_dtype = head_dtype
+        ctx.low = low
         ctx.save_for_backward(hidden, weight, targets, lse, dlogp_dh)
         return logp
 
@@ -83,7 +83,9 @@ class _FP32HeadLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # g (N,) upstream gradient of logp
         hidden, weight, targets, lse, dlogp_dh = ctx.saved_tensors
-        T, g, low = ctx.temperature, g.float(), ctx.low
+        T = ctx.temperature
+        g = g.float()
+        low = ctx.low
         grad_h = (g[:, None] * dlogp_dh).to(hidden.dtype) if ctx.need_dh else None  # (N, H)
         grad_w = None
         if ctx.need_dw:
@@ -150,30 +152,26 @@ def token_logprobs(
     weight (and for an fp32 copy of a bf16 weight under head_dtype=bf16).
     head_dtype=torch.bfloat16 (or float16) rounds the logits to that dtype instead, then log-softmax
     in fp32: the paper's `loo-fp32` ablation (no FP32 head); the gradients stay as above.
-    Raises ValueError on bad shapes, temperature <= 0 or chunk_size < 1; TypeError on float or bool
-    targets, or another head_dtype. torch raises by itself on mixed devices and, on the CPU, on ids
-    outside [0, V) (RuntimeError); on an accelerator such an id is a device-side assert, so
-    train.train_step checks the whole batch's ids once per step, on the CPU.
+    Raises ValueError on bad shapes or chunk_size < 1; TypeError on float or bool targets, or
+    another head_dtype (temperature > 0: config.validate's --temperature rule). torch raises by
+    itself on mixed devices and, on the CPU, on ids outside [0, V) (RuntimeError); on an
+    accelerator such an id is a device-side assert, so train.check_batch checks the whole batch's
+    ids once per step, on the CPU.
     """
-    # each check stops what would pass silently: another head precision, float ids truncated by
-    # .long(), NaN or mirrored logits (temperature <= 0), an unwritten logp (no chunk to run)
-    _check(
-        head_dtype in (torch.float32, torch.bfloat16, torch.float16),
-        f"head_dtype must be float32, bfloat16 or float16; got {head_dtype}",
-        TypeError,
-    )
+    # each check stops what would pass silently: another head precision, extra targets never read,
+    # float ids truncated by .long(), an unwritten logp (no chunk to run)
+    if head_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"head_dtype must be float32, bfloat16 or float16; got {head_dtype}")
     shape = hidden.shape  # (N, H)
-    _check(
-        len(shape) == 2 and weight.shape[1:] == shape[1:] and targets.shape == shape[:1],
-        f"hidden must be (N, H), weight (V, H) and targets (N,); got {tuple(shape)}, "
-        f"{tuple(weight.shape)}, {tuple(targets.shape)}",
-    )
-    ids_ok = not targets.is_floating_point() and targets.dtype != torch.bool
-    _check(ids_ok, f"targets must be integer token ids; got {targets.dtype}", TypeError)
-    _check(
-        temperature > 0 and int(chunk_size) >= 1,
-        f"need temperature > 0 and chunk_size >= 1; got {temperature}, {chunk_size}",
-    )
+    if len(shape) != 2 or weight.shape[1:] != shape[1:] or targets.shape != shape[:1]:
+        raise ValueError(
+            f"hidden must be (N, H), weight (V, H) and targets (N,); got {tuple(shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer token ids; got {targets.dtype}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     grad_on = torch.is_grad_enabled()  # inside forward() grad mode is always off, so decide here
     need_dh = grad_on and hidden.requires_grad
     need_dw = grad_on and weight.requires_grad
@@ -181,35 +179,6 @@ def token_logprobs(
     return _FP32HeadLogprobs.apply(
         hidden, weight, ids, float(temperature), int(chunk_size), need_dh, need_dw, head_dtype
     )
-
-
-def completion_logprobs(
-    hidden, weight, input_ids, mask, temperature=1.0, chunk_size=1024, head_dtype=torch.float32
-):
-    """Per-token log-probs of a right- or left-padded batch from a causal LM's final hidden states.
-
-    hidden (S, T, H) final-layer hidden states (after the last norm) for input_ids (S, T); weight
-    (V, H) the LM head; mask (S, T) bool, True on the tokens whose log-prob is wanted (the
-    completion). Token t is predicted from position t - 1. Returns logp (S, T) float32 aligned with
-    input_ids: logp[s, t] = log p(input_ids[s, t] | input_ids[s, :t]) where mask, exactly 0
-    elsewhere; only masked tokens go through the head (token_logprobs, with its head_dtype).
-    Raises ValueError if shapes disagree or mask[:, 0] is set (nothing predicts the first token).
-    """
-    _check(
-        hidden.dim() == 3 and input_ids.shape == hidden.shape[:2] and mask.shape == input_ids.shape,
-        f"need hidden (S, T, H), input_ids and mask (S, T); got {tuple(hidden.shape)}, "
-        f"{tuple(input_ids.shape)}, {tuple(mask.shape)}",
-    )
-    _check(
-        not mask[:, 0].any(),
-        "mask[:, 0] is True: the first token has no preceding position to predict it",
-    )
-    sel = mask[:, 1:]  # (S, T-1): token t+1 is predicted from position t
-    logp = token_logprobs(
-        hidden[:, :-1][sel], weight, input_ids[:, 1:][sel], temperature, chunk_size, head_dtype
-    )  # (N,)
-    shifted = logp.new_zeros(sel.shape).masked_scatter(sel, logp)  # (S, T-1)
-    return torch.cat([logp.new_zeros(sel.shape[0], 1), shifted], 1)  # (S, T)
 
 
 def group_advantages(rewards, group_ids, norm="batch"):
@@ -224,22 +193,18 @@ def group_advantages(rewards, group_ids, norm="batch"):
     float64 for float64 rewards, else float32.
     Raises ValueError on an unknown norm, an empty batch, mismatched shapes or non-finite rewards.
     """
-    _check(
-        norm in ("batch", "prompt", "none"),
-        f"norm must be 'batch', 'prompt' or 'none'; got {norm!r}",
-    )
-    _check(
-        rewards.dim() == 1 and rewards.numel() > 0 and group_ids.shape == rewards.shape,
-        f"rewards must be a non-empty (S,) and group_ids must match it; got "
-        f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}",
-    )
-    _check(
-        not group_ids.is_floating_point(),
-        f"group_ids must be integers; got {group_ids.dtype}",
-        TypeError,
-    )
+    if norm not in ("batch", "prompt", "none"):
+        raise ValueError(f"norm must be 'batch', 'prompt' or 'none'; got {norm!r}")
+    if rewards.dim() != 1 or rewards.numel() == 0 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards must be a non-empty (S,) and group_ids must match it; got "
+            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point():
+        raise TypeError(f"group_ids must be integers; got {group_ids.dtype}")
     r = rewards.double()  # (S,) float64: a group of equal float32 rewards centres to exactly 0
-    _check(bool(torch.isfinite(r).all()), "rewards contain NaN or inf")
+    if not torch.isfinite(r).all():  # once per step, on the CPU (train.train_step)
+        raise ValueError("rewards contain NaN or inf")
     _, gid = torch.unique(group_ids, return_inverse=True)  # (S,) group index in 0..P-1
     count = torch.bincount(gid).double()  # (P,) samples in each group
     mean = torch.zeros_like(count).index_add_(0, gid, r) / count  # (P,) group mean reward
@@ -267,20 +232,17 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
     micro-batches and ranks sum their share and get the full-batch loss.
     Raises ValueError / TypeError on an unknown agg or bad shapes / dtypes.
     """
-    _check(
-        agg in ("prompt", "sample", "token"),
-        f"agg must be 'prompt', 'sample' or 'token'; got {agg!r}",
-    )
-    _check(
-        mask.dim() == 2 and group_ids.shape == mask.shape[:1],
-        f"need mask (S, T), group_ids (S,); got {tuple(mask.shape)} and {tuple(group_ids.shape)}",
-    )
-    _check(mask.dtype == torch.bool, f"mask must be bool; got {mask.dtype}", TypeError)
-    _check(
-        not group_ids.is_floating_point(),
-        f"group_ids must be integers; got {group_ids.dtype}",
-        TypeError,
-    )
+    if agg not in ("prompt", "sample", "token"):
+        raise ValueError(f"agg must be 'prompt', 'sample' or 'token'; got {agg!r}")
+    if mask.dim() != 2 or group_ids.shape != mask.shape[:1]:
+        raise ValueError(
+            f"need mask (S, T), group_ids (S,); got {tuple(mask.shape)} and "
+            f"{tuple(group_ids.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool; got {mask.dtype}")
+    if group_ids.is_floating_point():
+        raise TypeError(f"group_ids must be integers; got {group_ids.dtype}")
     lens = mask.sum(1).double()  # (S,) valid tokens per sample
     if agg == "token":
         denom = lens.sum().expand_as(lens)  # (S,) every valid token in the batch
@@ -296,14 +258,16 @@ def aggregation_weights(mask, group_ids, agg="prompt"):
 
 
 def check_values(old_logp: torch.Tensor, weights: torch.Tensor) -> None:
-    """The value checks of `policy_loss`, in one host sync: weights (S, T) >= 0, old_logp (S, T)
-    finite where weight > 0. Raises ValueError on a negative weight, or naming the first sample s
-    and token t where old_logp is NaN or +-inf on a valid token: a sampler fault that would make the
-    loss NaN or, under CISPO's cap, pass silently as rho = cap (train.drop_nonfinite_logp drops such
+    """The value contract of `policy_loss`, checked once per batch in one host sync
+    (train.check_batch), never per micro-batch: weights (S, T) >= 0, old_logp (S, T) finite where
+    weight > 0. Raises ValueError on a negative weight, or naming the first sample s and token t
+    where old_logp is NaN or +-inf on a valid token: a sampler fault that would make the loss NaN
+    or, under CISPO's cap, pass silently as rho = cap (filters.drop_nonfinite_logp drops such
     samples before the batch is formed)."""
     bad = (weights > 0) & ~torch.isfinite(old_logp)  # (S, T)
     negative, nonfinite = torch.stack([(weights < 0).any(), bad.any()]).tolist()  # one host sync
-    _check(not negative, "weights must be >= 0")
+    if negative:
+        raise ValueError("weights must be >= 0")
     if nonfinite:
         s, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
@@ -350,7 +314,6 @@ def policy_loss(
     cispo_cap=4.0,
     gspo_eps_low=3e-3,
     gspo_eps_high=5e-3,
-    validate=True,
 ):
     """Policy-gradient loss (to minimize) and its metrics: CISPO (Eq. 4, §4), GSPO (A.17.3), DAPO /
     GRPO (A.2). rho = exp(logp - old_logp) always measures the sampler, never a recompute (Eq. 2).
@@ -363,23 +326,26 @@ def policy_loss(
     ratio per sequence, exp(mean log rho over its valid tokens), weighted by its summed weights.
     Returns loss = -sum(weights * term), 0-dim in logp's dtype, and metrics (rho_stats): n_tokens,
     clipped, rho_sum, rho_min, rho_max. Raises ValueError / TypeError on an unknown loss_type, bad
-    shapes, non-float weights, or an old_logp that requires grad or shares memory with logp, and
-    check_values' ValueError unless validate=False (a host sync on an accelerator: train_step runs
-    it once per batch). Clip widths and cap are not checked here; config.py checks the CLI's.
+    shapes, non-float weights, or an old_logp that requires grad or shares memory with logp: checks
+    that read no value, so none syncs the host. The values (check_values) are checked once per
+    batch by train.check_batch; clip widths and cap by config.validate.
     """
-    _check(loss_type in ("cispo", "gspo", "dapo", "grpo"), f"unknown loss_type {loss_type!r}")
-    shapes = [tuple(x.shape) for x in (logp, old_logp, weights, adv)]
-    _check(
-        logp.dim() == 2 and logp.numel() > 0 and shapes[1:] == [shapes[0]] * 2 + [shapes[0][:1]],
-        f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got {shapes}",
-    )
+    if loss_type not in ("cispo", "gspo", "dapo", "grpo"):
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    full = tuple(logp.shape)  # (S, T)
+    shapes = [full, tuple(old_logp.shape), tuple(weights.shape), tuple(adv.shape)]
+    # adv (1,) or weights (1, T) would broadcast silently
+    if logp.dim() != 2 or logp.numel() == 0 or shapes != [full, full, full, full[:1]]:
+        raise ValueError(
+            f"need non-empty logp, old_logp, weights (S, T) and adv (S,); got {shapes}"
+        )
     # silent otherwise: a mask passed as weights, a gradient through old_logp, rho = 1 everywhere
-    _check(weights.is_floating_point(), f"weights must be float; got {weights.dtype}", TypeError)
-    _check(not old_logp.requires_grad, "old_logp requires grad: pass the sampler's log-probs")
-    aliased = old_logp.untyped_storage().data_ptr() == logp.untyped_storage().data_ptr()
-    _check(not aliased, "old_logp shares memory with logp (rho = 1): pass the sampler's log-probs")
-    if validate:  # value checks: one host sync on an accelerator
-        check_values(old_logp, weights)
+    if not weights.is_floating_point():
+        raise TypeError(f"weights must be float; got {weights.dtype}")
+    if old_logp.requires_grad:
+        raise ValueError("old_logp requires grad: pass the sampler's log-probs")
+    if old_logp.untyped_storage().data_ptr() == logp.untyped_storage().data_ptr():
+        raise ValueError("old_logp shares memory with logp (rho = 1): pass the sampler's log-probs")
     valid = weights > 0  # (S, T)
     lp = torch.where(valid, logp, 0.0)  # (S, T) padding zeroed: it never reaches loss or gradients
     log_rho = lp - torch.where(valid, old_logp, 0.0)  # (S, T)

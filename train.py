@@ -1,4 +1,5 @@
-"""ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4), composed from the pure modules.
+"""ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4) and its policy update, composed from
+the pure modules.
 
     python train.py                                       # tiny model on CPU, ~13 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20       # the same, FSDP2 over 2 CPU ranks (gloo)
@@ -6,33 +7,41 @@
     python train.py --recipe loo-dapo                     # one of the paper's compared recipes
     python train.py --resume runs/NAME                    # continue a stopped run where it stopped
     python fit.py runs/NAME/metrics.jsonl --fit-until X   # the sigmoid fit of a finished run
+    torchrun --nproc_per_node 2 tests/dist_step.py MODEL_DIR BATCH.pt OUT.pt  # one train_step
+    python bench/gpu_trainer.py --only train              # its speed and memory on one GPU
     # Ctrl-C: finish or abandon the step, checkpoint, exit 0 (twice: quit at once);
     # a bad flag: one line, exit 2
 
-One step (DESIGN.md): the pipeline's producer thread samples groups with vLLM (forced
-interruptions, in-flight weight updates) and grades them; the trainer takes a batch of P groups
-with lag <= k, drops rollouts with a non-finite behaviour log-prob and zero-variance groups,
-records pass rates for No-Positive-Resampling, adds DAPO's length penalty if a recipe asks,
-computes batch-normalized advantages and prompt-level aggregation weights on the whole batch, runs
-fp32-head log-probs -> CISPO -> backward per micro-batch on every rank, steps AdamW, and hands the
-new weights to the sampler (version = step). The compute clock advances every step. Every
-`eval_every` steps a snapshot of the new weights goes to the eval engine, whose held-out pass rate
-is logged (with the live sigmoid fit of the curve so far) when it finishes; a checkpoint every
-`save_every`. Flags, presets and recipes: config.py, config.py, config.py; inputs: loading.py;
-process group, placement, run directory: launch.py; the policy and its optimizer step: py;
-the vLLM side: generator.py; logs, evals and checkpoints: records.py and checkpoint.py.
+One step (the asynchronous setup of §2 and A.3, PipelineRL-k of §3.1): the pipeline's producer
+thread samples groups with vLLM (forced interruptions, in-flight weight updates) and grades them;
+the trainer takes a batch of P groups with lag <= k, drops rollouts with a non-finite behaviour
+log-prob and zero-variance groups, records pass rates for No-Positive-Resampling, adds DAPO's
+length penalty if a recipe asks (get_batch, filters.py), computes batch-normalized advantages and
+prompt-level aggregation weights on the whole batch, runs fp32-head log-probs -> CISPO -> backward
+per micro-batch on every rank, steps AdamW (train_step), and hands the new weights to the sampler
+(version = step). The compute clock advances every step. Every `eval_every` steps a snapshot of
+the new weights goes to the eval engine, whose held-out pass rate is logged (with the live sigmoid
+fit of the curve so far) when it finishes; a checkpoint every `save_every`. Flags, presets and
+recipes: config.py; inputs: infra/loading.py; process group, placement, run directory:
+infra/launch.py; the vLLM side: infra/generator.py; logs, evals and checkpoints: infra/records.py
+and infra/checkpoint.py. Here: the policy (Policy, shard, build), the batch (collate, get_batch),
+the micro-batches (plan_microbatches, microbatch) and the update (train_step).
 
 Where it departs from the paper, and why:
-1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (arith.py `arith`) with
-   10^4x smaller budgets, so the whole recipe runs on a laptop; the GPU presets keep the paper's
-   lengths and batch.
+1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (tasks/arith.py
+   `arith`) with 10^4x smaller budgets, so the whole recipe runs on a laptop; the GPU presets keep
+   the paper's lengths and batch.
 2. Compute is counted in device-hours (`gpu_hours`): wall time x distinct devices (trainer and
    generator GPUs; on CPU the machine counts as one device). The paper counts GB200-hours.
 3. Truncated rollouts stay in the batch with the reward the grader gives them (usually 0); the
-   paper says only that they shrink the "effective batch" (PAPER.md 7.4).
+   paper says only that they shrink the "effective batch" (A.15).
 4. Gradients are clipped at `max_grad_norm` (default 1.0); the paper does not say whether it clips.
 5. The LR warmup is `warmup_steps` (100 in the paper, shorter for the tiny preset's few hundred
    steps).
+6. Micro-batches are packed into one row where the attention kernel is varlen (flash attention),
+   else length-sorted and padded: a memory and speed choice, the same loss either way.
+7. A rollout whose behaviour log-prob is NaN or +-inf on a policy token (a sampler fault the paper
+   does not discuss) leaves the batch before advantages are computed, counted and named.
 """
 
 import sys
@@ -43,7 +52,6 @@ import config
 if __name__ == "__main__":
     ARGS = config.cli()
 
-import dataclasses
 import math
 import os
 import shutil
@@ -180,28 +188,35 @@ def plan_microbatches(lengths, world: int, args: Args, pack: bool) -> list[list[
     micro-batch while its computed tokens (packed: the sum of lengths; padded: rows x the longest)
     stay within --max-tokens-per-microbatch and its rows within --micro-batch-size. A sample longer
     than the budget runs alone. Every rank holds the whole batch, so every rank computes the same
-    plan without communicating. --max-tokens-per-microbatch 0: the layout before issue 11 (rank r
-    takes rows r, r + world, ...; --micro-batch-size rows at a time, batch order)."""
-    S, budget, cap = len(lengths), args.max_tokens_per_microbatch, args.micro_batch_size
-    if budget == 0:
-        strided = [list(range(r, S, world)) for r in range(world)]
-        return [[rows[i : i + cap] for i in range(0, len(rows), cap)] for rows in strided]
-    load, mine = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(S), key=lambda i: (-lengths[i], i)):
+    plan without communicating."""
+    budget = args.max_tokens_per_microbatch
+    max_rows = args.micro_batch_size
+    load = [0] * world  # tokens given to each rank so far
+    mine = [[] for _ in range(world)]  # each rank's samples, longest first
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
         load[r] += lengths[i]
         mine[r].append(i)
     plan = []
     for rows in mine:
-        mbs, cur, used = [], [], 0
-        for i in rows:  # longest first, so a padded micro-batch is as long as its first row
-            cost = used + lengths[i] if pack else (len(cur) + 1) * lengths[cur[0] if cur else i]
-            if cur and (cost > budget or len(cur) == cap):
+        mbs = []
+        cur = []  # the micro-batch being filled
+        used = 0  # its tokens
+        for i in rows:
+            if pack:
+                cost = used + lengths[i]
+            else:  # longest first, so a padded micro-batch is as long as its first row
+                longest = lengths[cur[0]] if cur else lengths[i]
+                cost = (len(cur) + 1) * longest
+            if cur and (cost > budget or len(cur) == max_rows):
                 mbs.append(cur)
-                cur, used = [], 0
+                cur = []
+                used = 0
             cur.append(i)
             used += lengths[i]
-        plan.append(mbs + [cur] if cur else mbs)
+        if cur:
+            mbs.append(cur)
+        plan.append(mbs)
     return plan
 
 
@@ -213,7 +228,8 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
     backward calls on every rank)."""
     if rows is None:
-        S, one = len(adv), torch.ones(1, dtype=torch.long)
+        S = len(adv)  # the batch's rollouts: `sample` S points past every real one
+        one = torch.ones(1, dtype=torch.long)
         return dict(
             input_ids=torch.zeros(1, 2, dtype=torch.long),
             attention_mask=None,
@@ -229,7 +245,7 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     idx = torch.tensor(rows)
     ids, mask = batch["input_ids"][idx, :width], batch["mask"][idx, :width]  # (s, width)
     real = batch["attention_mask"][idx, :width].bool()  # (s, width) prefix of each row
-    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (train_step checked mask[:, 0])
+    r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (check_batch checked mask[:, 0])
     if pack:  # sequences back to back, each with its own positions
         lengths = real.sum(1)
         offset = lengths.cumsum(0) - lengths  # (s,) where each sequence starts in the row
@@ -315,7 +331,8 @@ def microbatch_loss(policy, mb: dict, args: Args):
         eps_low=args.eps_low,
         eps_high=args.eps_high,
         cispo_cap=args.cispo_cap,
-        validate=False,  # check_batch ran loss.check_values once, on the whole batch
+        gspo_eps_low=args.gspo_eps_low,
+        gspo_eps_high=args.gspo_eps_high,
     )
     return l, metrics, logp
 
@@ -347,18 +364,20 @@ def reduce_metrics(sums, extremes, finite, grad_norm) -> tuple[dict, bool]:
     top = torch.cat([extremes, (~finite).double()[None]])
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     out = torch.cat([sums, top, grad_norm.double()[None]]).tolist()  # the step's one host sync
-    loss_sum, n_tok, clipped, rho_sum, neg_rho_min, rho_max, nonfinite, grad_norm = out
-    n = max(n_tok, 1.0)  # valid tokens in the batch, all ranks
+    # the names of out's values, in the order of sums, then top, then the norm
+    names = ("loss", "tokens", "clipped", "rho_sum", "neg_rho_min", "rho_max", "nonfinite", "norm")
+    v = dict(zip(names, out, strict=True))
+    n = max(v["tokens"], 1.0)  # valid tokens in the batch, all ranks
     metrics = {
-        "train/loss": loss_sum,
-        "train/grad_norm": grad_norm,
-        "train/tokens": int(n_tok),
-        "train/clip_frac": clipped / n,
-        "train/rho_mean": rho_sum / n,
-        "train/rho_min": -neg_rho_min,
-        "train/rho_max": rho_max,
+        "train/loss": v["loss"],
+        "train/grad_norm": v["norm"],
+        "train/tokens": int(v["tokens"]),
+        "train/clip_frac": v["clipped"] / n,
+        "train/rho_mean": v["rho_sum"] / n,
+        "train/rho_min": -v["neg_rho_min"],
+        "train/rho_max": v["rho_max"],
     }
-    return metrics, not nonfinite
+    return metrics, not v["nonfinite"]
 
 
 def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
@@ -379,7 +398,7 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     check_batch(batch, weights, policy.lm.get_output_embeddings().weight.shape[0])
     S, T = batch["input_ids"].shape
     lengths = batch["attention_mask"].sum(1)  # (S,)
-    pack = args.max_tokens_per_microbatch > 0 and varlen_attention(policy.lm)
+    pack = varlen_attention(policy.lm)
     plan = plan_microbatches(lengths.tolist(), world, args, pack)
     # FSDP2: every rank runs the same number of forward / backward calls; short ranks add empty ones
     mine = plan[rank] + [None] * (max(map(len, plan)) - len(plan[rank]))
@@ -389,8 +408,8 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     finite = torch.ones((), dtype=torch.bool, device=device)  # torchtitan's loss_is_finite
     records = []  # per micro-batch, to name the sample if the step fails
     for rows in mine:
-        trimmed = rows is not None and args.max_tokens_per_microbatch > 0
-        width = int(lengths[rows].max()) if trimmed else T  # the legacy layout pads to the batch
+        # each micro-batch cut to its own longest row (an empty one ignores the width)
+        width = T if rows is None else int(lengths[rows].max())
         mb = to_device(microbatch(batch, rows, width, pack, adv, weights), device)
         l, m, logp = microbatch_loss(policy, mb, args)
         # each rank's loss is its share of a sum, so shard() has FSDP2 sum gradients over ranks
@@ -419,68 +438,10 @@ def train_step(policy, optimizer, batch: dict, args: Args, device) -> dict:
     return metrics
 
 
-def drop_nonfinite_logp(groups) -> tuple[list, int]:
-    """(groups, n): the groups without their rollouts whose behaviour log-prob (Completion.logp) is
-    NaN or +-inf on a policy token (mask True), and n, how many rollouts were dropped (logged as
-    gen/nonfinite_logp). That is a sampler fault: rho against such a log-prob is NaN or silently
-    capped, and loss.policy_loss raises on it. Runs on rank 0 before collate, so advantages and
-    aggregation weights are computed without the dropped rollouts; a group left with no rollout is
-    dropped whole. Prints one warning line per dropped rollout naming its prompt (the data index,
-    as in samples.jsonl) and the token's position in the completion. The input is not modified."""
-    kept, dropped = [], 0
-    for g in groups:
-        keep = []
-        for j, c in enumerate(g.completions):
-            bad = (c.mask & ~torch.isfinite(c.logp)).nonzero()  # (n, 1) positions in the completion
-            if len(bad):
-                t = int(bad[0, 0])
-                print(
-                    f"warning: dropped rollout {j} of prompt {g.prompt.index}: behaviour log-prob "
-                    f"{c.logp[t].item()} at completion token {t} (a sampler fault)",
-                    flush=True,
-                )
-            else:
-                keep.append(j)
-        # a group keeps its place with fewer rollouts; its advantages use only those left
-        dropped += len(g.completions) - len(keep)
-        if len(keep) == len(g.completions):
-            kept.append(g)
-        elif keep:
-            comps, rewards = [g.completions[j] for j in keep], [g.rewards[j] for j in keep]
-            kept.append(dataclasses.replace(g, completions=comps, rewards=rewards))
-    return kept, dropped
-
-
-def has_variance(g) -> bool:
-    """Whether a group's rewards differ (True: it is kept). A zero-variance group has zero advantage
-    everywhere, so it adds nothing to the gradient (§3.2, Fig 6a; DAPO's dynamic sampling without
-    the resampling)."""
-    rewards = torch.tensor(g.rewards)
-    # one group: every rollout gets group id 0; the mask (True: kept) is True on all or on none
-    return bool(filters.zero_variance_mask(rewards, torch.zeros(len(g.rewards))).any())
-
-
-def dapo_length_penalty(groups, args: Args) -> list:
-    """The groups with DAPO's overlong penalty (A.10 Eq. 9, filters.length_penalty: 0, then a ramp
-    to -1 over the last answer_budget tokens before the longest completion the sampler allows,
-    think_budget[1] + answer_budget) added to the reward of each correct rollout (reward > 0:
-    "added only to correct traces", A.10). The input is not modified."""
-    max_len = args.think_budget[1] + args.answer_budget
-    out = []
-    for g in groups:
-        lengths = torch.tensor([len(c.completion_ids) for c in g.completions])
-        pen = filters.length_penalty(lengths, max_len, args.answer_budget)  # (G,) float32
-        rewards = torch.tensor(g.rewards, dtype=torch.float64)  # (G,)
-        # in float64, as collate keeps rewards (the penalty itself is float32)
-        shaped = torch.where(rewards > 0, rewards + pen.double(), rewards)
-        out.append(dataclasses.replace(g, rewards=shaped.tolist()))
-    return out
-
-
 def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict | None, dict]:
     """Phase 1 of a step, every rank (a collective): rank 0 takes the pipeline's next batch of P
     groups with lag <= k (its producer thread sampled and graded them meanwhile), then
-    1. drops rollouts with a non-finite behaviour log-prob (drop_nonfinite_logp),
+    1. drops rollouts with a non-finite behaviour log-prob (filters.drop_nonfinite_logp),
     2. drops zero-variance groups (--zero-var-filter, §3.2),
     3. records every scored group's pass rate for No-Positive-Resampling (§3.2),
     4. adds DAPO's overlong penalty to correct rollouts (--length-penalty, A.10),
@@ -497,14 +458,13 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
     batch = rank0_call(lambda: generator.next_batch(pipe, step))
     if batch is not None:  # rank 0
         m = dict(batch.metrics)
-        m.update(
-            math_reward.pop_stats()
-        )  # math-verify's graded / timed-out counts since the last step
+        # math-verify's graded / timed-out counts since the last step
+        m.update(math_reward.pop_stats())
         # 1. a NaN or inf behaviour log-prob is a sampler fault: its rollout leaves the batch
-        groups, m["gen/nonfinite_logp"] = drop_nonfinite_logp(batch.groups)
+        groups, m["gen/nonfinite_logp"] = filters.drop_nonfinite_logp(batch.groups)
         # 2. all correct or all wrong: zero advantage everywhere, so no gradient, only noise
         if args.zero_var_filter:
-            groups = [g for g in groups if has_variance(g)]
+            groups = [g for g in groups if filters.has_variance(g)]
         # 3. every scored group counts, even one dropped above: a prompt whose pass rate reaches
         # --npr-threshold leaves the pool for good
         for g in batch.groups:
@@ -515,11 +475,15 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
         m["filter/active_prompts"] = pool.num_active
         # 4. reward shaping after the filters: a penalized group still counts as it was sampled
         if args.length_penalty:
-            groups = dapo_length_penalty(groups, args)
+            # 0, then a ramp to -1 over the last answer_budget tokens the sampler allows
+            max_len = args.think_budget[1] + args.answer_budget
+            groups = filters.dapo_length_penalty(
+                groups, max_len=max_len, cache_len=args.answer_budget
+            )
         # 5. (S, T) right-padded tensors: S rollouts, T the longest prompt + completion
         payload = [collate(groups, pad_id)]
         log.train_samples(step + 1, batch.groups)
-    # every rank holds the whole batch, so each computes the same micro-batch plan (py)
+    # every rank holds the whole batch, so each computes the same micro-batch plan
     dist.broadcast_object_list(payload)
     return payload[0], m
 

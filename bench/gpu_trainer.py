@@ -15,9 +15,10 @@ Qwen3Config. Issue 11; a GPU run's numbers go in the README.
    answer_budget]), for two shapes: `0.6b` = Qwen3-0.6B (28 layers, tied head) with the qwen3-0.6b
    preset's settings, `8b-8l` = 8 of Qwen3-8B's 36 layers (untied head) with the qwen3-8b
    preset's. Variants, measured in the same run: `before` = the trainer's layout and head before
-   issue 11 (one sequence per micro-batch padded to the batch's longest, activation
+   issue 11 as far as train.py still runs them (one sequence per micro-batch, activation
    checkpointing, the fp32 head on fp32-upcast operands: loss._low_precision_operands patched to
-   False; its per-micro-batch host syncs are not restored), `after` = the preset's settings,
+   False; neither the padding of each sequence to the batch's longest, whose layout left train.py,
+   nor its per-micro-batch host syncs are restored), `after` = the preset's settings,
    `after-noac` = the same without activation checkpointing (where the preset has it).
    MFU = model flops / step time / --peak-tflops; model flops = 6 x (decoder parameters x tokens +
    head parameters x predicted tokens) + causal attention, 6 x layers x heads x head_dim x the sum
@@ -252,16 +253,15 @@ def make_batch(a, shape, args, gen):
 
 def bench_args(a, name, variant) -> config.Args:
     """The trainer's flags for one shape x variant: the shape's preset, changed as the variant says
-    (`before`: issue 11's old layout; `after-noac`: no activation checkpointing)."""
+    (`before`: one sequence per micro-batch, as before issue 11; `after-noac`: no activation
+    checkpointing)."""
     preset = PRESET[name]
     # lr 1e-6 for every shape (the 8b preset: 5e-7): the printed losses compare, speed is the same
     settings = dict(config.PRESETS[preset], model=preset, lr=1e-6)
     if a.tiny:
         settings.update(max_tokens_per_microbatch=256, group_size=4)
     if variant == "before":
-        settings.update(
-            max_tokens_per_microbatch=0, micro_batch_size=1, activation_checkpointing=True
-        )
+        settings.update(micro_batch_size=1, activation_checkpointing=True)
     elif variant == "after-noac":
         settings.update(activation_checkpointing=False)
     return config.Args(**settings)
@@ -319,7 +319,8 @@ def part_train(a, name, variant, device):
     with mock.patch.object(loss, "_low_precision_operands", low_precision):
         times = time_steps(a, f"{name} {variant}", policy, optimizer, batch, args, device)
     sec = sum(times) / len(times)
-    mb_tokens = args.max_tokens_per_microbatch or int(lengths.max())
+    # tokens in the largest micro-batch: the budget, or micro_batch_size rows of the longest
+    mb_tokens = min(args.max_tokens_per_microbatch, args.micro_batch_size * int(lengths.max()))
     res = dict(
         step_s=sec,
         tokens_s=tokens / sec,
@@ -327,7 +328,8 @@ def part_train(a, name, variant, device):
         peak_gib=peak_bytes(device) / GiB,
         est_gib=memory_estimate(shape, mb_tokens, 1, args.activation_checkpointing),
         desc=f"{L} layers x H {H}, {a.seqs} seqs, {tokens:,} tokens ({n_pred:,} predicted), "
-        f"budget {args.max_tokens_per_microbatch or 'none'}, AC {args.activation_checkpointing}",
+        f"budget {args.max_tokens_per_microbatch}, rows <= {args.micro_batch_size}, "
+        f"AC {args.activation_checkpointing}",
     )
     del policy, optimizer
     gc.collect()

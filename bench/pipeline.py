@@ -5,8 +5,8 @@ same run (arXiv 2510.13786 §3.1: PipelineRL-k's throughput over synchronous off
 
 One vLLM engine (the tiny random Qwen3) serves both modes in turn, reset to the same start weights
 before each run; the trainer is a real step on a transformers copy of the model: forward,
-`loss.completion_logprobs` (fp32 head), batch-normalised group advantages, prompt-level
-aggregation, CISPO `loss.policy_loss`, backward, AdamW, then `save_pretrained` into
+`loss.token_logprobs` (fp32 head) of the completion tokens, batch-normalised group advantages,
+prompt-level aggregation, CISPO `loss.policy_loss`, backward, AdamW, then `save_pretrained` into
 `Pipeline.weights_dir` and `publish` (the sampler loads it in flight). Rewards are the parity of
 each completion's length (random weights solve nothing), so advantages and gradients are not zero.
 Runs alternate sync / PipelineRL-8 `--reps` times so machine load hits both alike; the first
@@ -53,6 +53,15 @@ def parity_reward(responses, golds, thinking, timeout):
     return [float(len(r) % 2) for r in responses]
 
 
+def completion_logprobs(hidden, weight, ids, mask):
+    """(S, T) log-probs of the completion tokens (mask (S, T)), 0 elsewhere, from hidden (S, T, H):
+    token t is predicted from position t - 1."""
+    sel = mask[:, 1:]  # (S, T-1)
+    logp = loss.token_logprobs(hidden[:, :-1][sel], weight, ids[:, 1:][sel])  # (N,)
+    shifted = logp.new_zeros(sel.shape).masked_scatter(sel, logp)  # (S, T-1)
+    return torch.cat([logp.new_zeros(sel.shape[0], 1), shifted], 1)  # (S, T)
+
+
 def train_step(model, opt, batch):
     """One CISPO step on a Batch; returns the loss."""
     comps = [c for g in batch.groups for c in g.completions]
@@ -68,7 +77,7 @@ def train_step(model, opt, batch):
         mask[s, n : n + m] = c.mask
         old_logp[s, n : n + m] = c.logp
     hidden = model.model(input_ids=ids).last_hidden_state  # (S, T, H)
-    logp = loss.completion_logprobs(hidden, model.lm_head.weight, ids, mask)  # (S, T)
+    logp = completion_logprobs(hidden, model.lm_head.weight, ids, mask)  # (S, T)
     adv = loss.group_advantages(rewards, group_ids)  # (S,)
     weights = loss.aggregation_weights(mask, group_ids)  # (S, T)
     value, _ = loss.policy_loss(logp, old_logp, adv, weights)

@@ -105,10 +105,10 @@ def rank0_call(fn, share: bool = False):
 
 
 def plan_placement(
-    args: Args, path: str, world: int, gen_dtype, P: int, tasks: int = 1
+    args: Args, path: str, world: int, gen_dtype, P: int, n_tasks: int = 1
 ) -> placement.Plan:
     """Rank 0 places the trainer ranks and vLLM on its node's GPUs and estimates their memory
-    (placement.py) and prints the plan (tasks: held-out splits of eval_size prompts each); every
+    (placement.py) and prints the plan (n_tasks: held-out splits of eval_size prompts each); every
     rank gets it, and on a placement that cannot fit or overlaps trainer GPUs unasked every rank
     exits with the command to run instead."""
     plan = [None]
@@ -125,10 +125,8 @@ def plan_placement(
             share_gpu=args.share_gpu,
             tp=args.tensor_parallel_size,
             utilization=args.gpu_memory_utilization,
-            # tokens in one trainer forward: the token budget (plan_microbatches), else the legacy
-            # layout's micro_batch_size padded sequences
-            microbatch_tokens=args.max_tokens_per_microbatch
-            or args.micro_batch_size * args.max_model_len,
+            # tokens in one trainer forward: the token budget (train.plan_microbatches)
+            microbatch_tokens=args.max_tokens_per_microbatch,
             max_model_len=args.max_model_len,
             checkpointing=args.activation_checkpointing,
             fp32_head=args.fp32_head,
@@ -140,7 +138,7 @@ def plan_placement(
             max_inflight=2 * P,  # the Pipeline's max_inflight below
             kv_cache_bytes=int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30),
             eval_gpus=args.eval_gpus,
-            eval_seqs=tasks * args.eval_size * (args.eval_n + 1),  # + one greedy per prompt
+            eval_seqs=n_tasks * args.eval_size * (args.eval_n + 1),  # + one greedy per prompt
             argv=sys.argv[1:],
         )
         print(placement.describe(plan[0]), flush=True)

@@ -102,7 +102,8 @@ def load_tokenizer(args: Args, path: str, master: bool):
         raise BadInput(f"--thinking {args.thinking}: {one_line(e)}", 2) from e
     if master:
         how = "from the chat template" if args.thinking == "auto" else "forced"
-        print(f"thinking {('off', 'on')[thinking]} (--thinking {args.thinking}: {how})", flush=True)
+        said = "on" if thinking else "off"
+        print(f"thinking {said} (--thinking {args.thinking}: {how})", flush=True)
     return tokenizer, thinking
 
 

@@ -11,11 +11,10 @@ Where this departs from the paper, and why:
    every step, the stop included, is a local decision a 0.4M-parameter model learns in a two-minute
    warm start; thinking length grows with the number of additions.
 2. The interruption budget of RL (ARITH_THINK_BUDGET) lies past the longest item's thinking, so it
-   cuts only rollouts that ramble (11% at R0, 1-2% once RL has taught the model to stop; issue 12).
-   A budget that bound on the 8-9-addition items (80-94 tokens, before bd904ed) cut their correct
-   countdowns, and RL's pressure to shorten them broke the arithmetic on every item (seed 1: the
-   greedy pass rate fell from 0.85 at step 0 to 0.58 at step 100). The warm start still cuts a
-   tenth of its long traces at ARITH_SFT_CUT, so the model knows the format an interruption leaves.
+   cuts only rollouts that ramble (11% at R0, 1-2% once RL has taught the model to stop; issue 12;
+   a budget that bound on correct countdowns broke the arithmetic: docs/history-presets.md). The
+   warm start still cuts a tenth of its long traces at ARITH_SFT_CUT, so the model knows the format
+   an interruption leaves.
 3. Items are split by a hash of the question into an SFT pool (tiny.py's warm start) and an RL pool
    (train and held-out), so no held-out item is ever trained on.
 4. `arith-hard`, every RL-pool item with 7-9 additions, is a second task for a CPU run:

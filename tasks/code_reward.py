@@ -1,6 +1,6 @@
 """Code reward: a completion's last ```python block, run by sandbox.py against its problem's tests.
 
-Paper §5 and A.16 (PAPER.md 10.1): the math+code runs train on Polaris and DeepCoder together, each
+Paper §5, A.3 and A.13 (Table 1): the math+code runs train on Polaris and DeepCoder together, each
 code completion graded by executing it against the problem's unit tests, reward 1 when all pass.
 Exercised by `python -m pytest tests/test_code_reward.py`, `python bench/code_reward.py` and
 `python train.py --data humaneval` (also `deepcoder`, `polaris+deepcoder`). `code_problem` turns a

@@ -31,17 +31,12 @@ def split_heldout(
 
     With `run_dir`, the split is saved there (json: indices and a fingerprint of the
     questions) and, when that file already exists (a resumed run), restored from it instead of
-    drawn. Raises ValueError when eval_size leaves a task no training prompt, or when the saved
-    split belongs to a different dataset."""
+    drawn. eval_size leaves every task a training prompt: loading.load_prompts' --eval-size rule,
+    checked before the run directory exists. Raises ValueError when the saved split belongs to a
+    different dataset."""
     tasks: dict[str, list[int]] = {}  # task -> its prompts' positions
     for i, p in enumerate(prompts):
         tasks.setdefault(p.task, []).append(i)
-    for task, ids in tasks.items():
-        if not 0 <= eval_size < len(ids):
-            of = f" of task {task}" if len(tasks) > 1 else ""
-            raise ValueError(
-                f"eval_size={eval_size} must be in [0, {len(ids)}) for {len(ids)} prompts{of}"
-            )
     fingerprint = zlib.crc32("\0".join(p.question for p in prompts).encode())
     path = os.path.join(run_dir, SPLIT_FILE) if run_dir else None
     if path and os.path.exists(path):

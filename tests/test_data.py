@@ -9,8 +9,9 @@ and the eval warning; number golds written exactly and bad answers (bool, NaN, i
 in JSON, JSONL and parquet; files with a UTF-8 byte-order mark loading every row; a local path told
 from a hub id (is_local_path, hand-picked names). Multi-task (issue 16): a mixture's prompts named
 by source, questions of an earlier source dropped, its errors; the held-out split per task
-(eval_size of each, by the documented draws, restored on resume, the error naming the short task);
-and arith-hard: every RL-pool item with 7-9 additions, graded right by its gold."""
+(eval_size of each, by the documented draws, restored on resume) and --eval-size's rule
+(loading.load_prompts: the error naming the short task); and arith-hard: every RL-pool item with
+7-9 additions, graded right by its gold."""
 
 import json
 import os
@@ -21,6 +22,7 @@ from dataclasses import replace
 import pytest
 
 import config
+from infra import loading
 from tasks import arith, data, heldout, math_reward, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,8 +199,6 @@ def test_heldout_split_deterministic_disjoint_and_restored(tmp_path, tok):
     )
     with pytest.raises(ValueError, match="different dataset"):
         heldout.split_heldout(other, 10, seed=3, run_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="eval_size=50"):
-        heldout.split_heldout(prompts, 50, seed=3)
 
 
 def test_arith_solutions_graded_right_and_wrong_answers_wrong():
@@ -524,10 +524,28 @@ def test_heldout_split_per_task_by_the_documented_draws_and_restored(tmp_path, t
     assert {p.index for p in held} == expected and len(train) == 22
     assert sorted(p.task for p in held) == ["a"] * 4 + ["b"] * 4
     assert heldout.split_heldout(prompts, 9, seed=0, run_dir=str(tmp_path))[1] == held  # restored
+
+
+def test_eval_size_must_leave_every_task_a_training_prompt(tmp_path, tok):
+    # loading.load_prompts' --eval-size rule (held out per task), before the run directory exists:
+    # the smallest task is named
+    rows = lambda qs: [{"question": q, "answer": "1"} for q in qs]
+    x = write(tmp_path / "x.jsonl", rows(["q0", "q1", "q2"]), "jsonl")
+    y = write(tmp_path / "y.jsonl", rows(["q3", "q4"]), "jsonl")
+    args = config.Args(data=f"{x}+{y}", eval_size=2, max_prompt_len=512)
+    with pytest.raises(config.BadInput) as info:
+        loading.load_prompts(args, tok, False)
+    assert info.value.code == 1
+    assert (
+        str(info.value)
+        == f"--eval-size 2: must be less than the 2 prompts of task y of --data {x}+{y}"
+    )
+    assert len(loading.load_prompts(replace(args, eval_size=1), tok, False)) == 5
+    one = replace(args, data=x, eval_size=3)
     with pytest.raises(
-        ValueError, match=r"eval_size=10 must be in \[0, 10\) for 10 prompts of task a"
+        config.BadInput, match=f"^--eval-size 3: must be less than the 3 prompts of --data {x}$"
     ):
-        heldout.split_heldout(prompts, 10, seed=2)
+        loading.load_prompts(one, tok, False)
 
 
 def test_arith_hard_is_every_rl_item_with_7_to_9_additions(tok):

