@@ -13,8 +13,12 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = {"train", "config", "loss", "generate", "pipeline", "filters", "fit"}
-# the one root concept that drives a process of its own: the sampler's vLLM engine
-DRIVES_A_PROCESS = {"generate": {"infra.engine"}}
+# the root concepts that drive a process of their own: the sampler's vLLM engine, and the pipeline
+# that runs it in the producer thread (infra.engine.SamplerThread) and hands it weight directories
+DRIVES_A_PROCESS = {
+    "generate": {"infra.engine"},
+    "pipeline": {"infra.engine", "infra.weight_dirs"},
+}
 
 
 def modules() -> dict[str, str]:
