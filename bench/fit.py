@@ -1,5 +1,5 @@
-"""Benchmark: fit.py's fast sigmoid fit against the paper's A.5 grid on the Table 1 curves (PAPER.md
-10.1), and what the identifiability rule (fit._identify, A's profile) costs.
+"""Benchmark: fit.py's fast sigmoid fit against the paper's A.5 grid on the Table 1 curves
+(A.13), and what the identifiability rule (fit._identify, A's profile) costs.
 
 `python bench/fit.py` (about 2 minutes on 2 CPU cores: the grid runs 7,100 curve_fit calls per
 curve). Data as in tests/test_fit.py: R0 = 0.35, 40 evals evenly spaced in compute from 0.2 C_mid to
@@ -19,7 +19,7 @@ import numpy as np
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # root, not bench/
 import fit  # noqa: E402
 
-TABLE_1 = [  # PAPER.md 10.1: (experiment, C_mid, B, A)
+TABLE_1 = [  # Table 1 (A.13): (experiment, C_mid, B, A)
     ("ScaleRL", 2542, 1.92, 0.610),
     ("ScaleRL-32k", 11272, 1.89, 0.645),
     ("ScaleRL-8gen", 2542, 2.44, 0.585),

@@ -12,9 +12,9 @@ the same warm-started model, held-out split and prompt order per seed. Every run
 recipe's two seeds are then pooled into one curve (all their points, R0 = the mean of their R0)
 and fitted again. Printed per run and per pooled recipe: A, B and C_mid (the compute to reach half
 the gain A - R0) with pairs-bootstrap 95% intervals; then the paper's verdict on the pooled curves,
-fit.compare (§4, PAPER.md 8.4): when the A differ by the margin 0.02 or more, the higher A wins;
+fit.compare (§4, A.5, Fig 8a): when the A differ by the margin 0.02 or more, the higher A wins;
 otherwise both are refitted at their mean A and the higher B wins. The verdict is also given per
-seed, so a reader sees whether the seeds agree. The paper's ordering (Figure 2, PAPER.md 10.2):
+seed, so a reader sees whether the seeds agree. The paper's ordering (Figure 2, A.16):
 ScaleRL A = 0.61 above DeepSeek (GRPO) at 0.49, at 100k GPU-hours on an 8B model.
 
 Where this departs from the paper, and why: two seeds and one 0.43M-parameter model on a synthetic
@@ -38,7 +38,7 @@ sys.path[0] = ROOT  # repo root, not bench/ (bench/fit.py would shadow fit.py)
 import fit  # noqa: E402
 from infra.fit_report import _num, load_metrics  # noqa: E402
 
-PAPER_A = {"scalerl": 0.61, "deepseek-grpo": 0.49}  # Figure 2 (PAPER.md 10.2)
+PAPER_A = {"scalerl": 0.61, "deepseek-grpo": 0.49}  # Figure 2 (A.16)
 
 
 def train(run_dir: str, recipe: str, seed: int, extra: list[str], timeout: float) -> float:

@@ -1,4 +1,4 @@
-"""Benchmark: does the default run show the paper's method on every seed (issue 12, PAPER.md 8.5)?
+"""Benchmark: does the default run show the paper's method on every seed (issue 12; §5 fits half)?
 
     python bench/seeds.py            # python train.py --seed S for S = 0, 1, 2, one at a time
     python bench/seeds.py --reuse    # refit finished runs, train only the missing ones

@@ -3,7 +3,7 @@
 `python fit.py runs/a/metrics.jsonl runs/b --c-min 1500 --fit-until 8000`: fit.py stays the command
 and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
 (R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
-Kept apart from fit.py, which is pure (arrays in, numbers out, DESIGN.md): this file reads files,
+Kept apart from fit.py, which is pure (arrays in, numbers out): this file reads files,
 prints and draws. records.final_fit fits the whole run with `whole_run_fit` and draws fit.png with
 `plot`; train.py ends a run by printing `summary`, its fits in words.
 """

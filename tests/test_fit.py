@@ -6,7 +6,8 @@ on noise-free data; the same answer at CPU-hour, GPU-hour and FLOP scale; the A.
 the fast fit and never beating its SSE; each degenerate input raising or being flagged not
 converged; the fixed-A refit and the §4 comparison rule; the identifiability rule (issue 12: a left
 tail and a flat curve refused, a well-sampled curve kept, its profile interval's ends checked with
-scipy's curve_fit); bootstrap intervals; A.4's power-law overshoot. The CLI: tests/test_fit_cli.py.
+scipy's curve_fit); bootstrap intervals; A.4's power-law overshoot. The CLI:
+tests/test_fit_report.py.
 Every numpy/scipy warning is an error here: the module must emit none.
 """
 

@@ -49,7 +49,7 @@ def table_rows(out):
 
 
 def main(*argv):
-    """fit_cli.main on tyro-parsed arguments, as `python fit.py ARGV` runs it."""
+    """fit_report.main on tyro-parsed arguments, as `python fit.py ARGV` runs it."""
     fit_report.main(tyro.cli(fit_report.Args, args=[str(a) for a in argv]))
 
 
