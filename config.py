@@ -237,14 +237,14 @@ PRESETS = {
     # the curve climbs from a low R0 and flattens within 15 minutes on 2 cores (issue 12; the
     # measurements behind each value: docs/history-presets.md)
     "tiny": dict(
-        max_lag=2,  # the trainer is the slow side: at k = 8 the sampled pass rate drifted
-        lr=2e-4,  # 3e-4 swung consecutive evals by 0.029-0.041, 2e-4 by 0.015-0.035 (3 seeds)
-        prompts_per_step=12,  # ~3.2 s a step against ~3.9 with 16; the fits' C_mid 10-11% of C
-        group_size=16,  # groups of 8 left a few noisy groups a step after the filter (0.76 -> 0.66)
-        steps=156,  # 156 steps: fits 15 min on 2 cores on a slow day (175 took 914-953 s)
+        max_lag=2,  # the trainer is the slow side here: a larger k only adds staleness
+        lr=2e-4,  # the steadiest of the rates tried on 3 seeds
+        prompts_per_step=12,  # cheaper steps than 16 with the same curve shape
+        group_size=16,  # groups of 8 leave too few groups a step after the filter
+        steps=156,  # a run within 15 minutes on 2 cores
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
-        eval_n=4,  # sampling noise ~0.014; x 8 (~0.010) would not fit 15 minutes
+        eval_n=4,  # the noise a 15-minute run affords
         save_every=0,  # a checkpoint waits for the queued evals: minutes on the compute clock
     ),
     "smollm2-135m": dict(

@@ -23,9 +23,10 @@ per micro-batch on every rank, steps AdamW (train_step), and hands the new weigh
 the new weights goes to the eval engine, whose held-out pass rate is logged (with the live sigmoid
 fit of the curve so far) when it finishes; a checkpoint every `save_every`. Flags, presets and
 recipes: config.py; inputs: infra/loading.py; process group, placement, run directory:
-infra/launch.py; the vLLM side: infra/generator.py; logs, evals and checkpoints: infra/records.py
-and infra/checkpoint.py. Here: the policy (Policy, shard, build), the batch (collate, get_batch),
-the micro-batches (plan_microbatches, microbatch) and the update (train_step).
+infra/launch.py; the vLLM side: infra/generator.py; logs, evals and checkpoints: infra/records.py,
+infra/evals.py and infra/checkpoint.py. Here: the policy (Policy, shard, build), the batch
+(collate, get_batch), the micro-batches (plan_microbatches, microbatch) and the update
+(train_step).
 
 Where it departs from the paper, and why:
 1. Scale: the `tiny` preset is a 0.43M-parameter Qwen3 on a synthetic task (tasks/arith.py

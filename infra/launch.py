@@ -72,7 +72,7 @@ def rank0_call(fn, share: bool = False):
     """fn() on rank 0, in a thread, while every rank waits in one small all-reduce per HEARTBEAT_S
     until it returns: rank 0's long waits (vLLM starting, a batch of rollouts, evals still running)
     never hold another rank in one collective for longer, so --dist-timeout need not cover them
-    (issue 10: a 2 h timeout used to cover rank 0's eval). Returns fn's result on rank 0 (on every
+    (rank 0's eval included). Returns fn's result on rank 0 (on every
     rank with `share`, broadcast: keep it small), None elsewhere. fn's exception is raised on rank 0
     (the original, with its traceback) and, as RuntimeError naming it, on the other ranks, which
     therefore stop at once instead of waiting in their next collective."""

@@ -2,7 +2,7 @@
 by math-verify.
 
 Paper A.3 (the reward: Math-Verify on the final answer after stripping <think>...</think>).
-Exercised by `python -m pytest tests/test_reward.py` and every `python train.py`. math-verify's
+Exercised by `python -m pytest tests/test_math_reward.py` and every `python train.py`. math-verify's
 timeouts use signal.alarm, which works only in a main thread, and inputs like 9^{9^{9^{9}}} keep
 sympy busy for minutes; so grading runs in worker processes owned by this module, each running
 math-verify in its main thread with its own timeouts, and a worker that overruns its deadline is

@@ -26,17 +26,8 @@ from infra import loading
 from tasks import arith, data, heldout, math_reward, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# shared/ sits beside the clone (CI) or beside the worktrees' folder (a session's git worktree)
-GSM8K_100 = next(
-    (
-        p
-        for p in (
-            os.path.join(ROOT, up, "shared", "data", "gsm8k_100.jsonl") for up in ("..", "../..")
-        )
-        if os.path.exists(p)
-    ),
-    os.path.join(ROOT, "..", "shared", "data", "gsm8k_100.jsonl"),
-)
+# 100 GSM8K test questions with their answers (MIT, github.com/openai/grade-school-math)
+GSM8K_100 = os.path.join(ROOT, "tests", "data", "gsm8k_100.jsonl")
 ROWS = [  # (row, expected gold), written out by hand
     ({"question": "Q1", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72"}, "72"),
     ({"question": "Q2", "answer": "so\n#### 1,234"}, "1234"),
