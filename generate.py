@@ -112,6 +112,9 @@ class Sampler:
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1]
         + answer_budget tokens (the paper's `loo-lp` ablation, which relies on a length penalty
         instead).
+      engine: an engine already started (anything with `infra.engine.Engine`'s `client`,
+        `weight_transfer`, `kv_capacity`, `dead()` and `shutdown()`, e.g. bench/vllm_sim.py's
+        simulated one); the Sampler then starts none, and `model` is only its label.
       **engine_kwargs: `engine.Engine`'s keywords: gpus, weight_transfer ("disk" or "nccl", see
         `sync_client`), nice, env, and `engine.engine_args`' (dtype, max_model_len, ...).
     The budgets and the temperature are train.py's flags, checked by config.py. Raises
@@ -131,6 +134,7 @@ class Sampler:
         top_k: int = -1,
         seed: int = 0,
         interruptions: bool = True,
+        engine=None,
         **engine_kwargs,
     ):
         # top-p / top-k renormalise over the kept tokens: the behaviour log-probs would no longer
@@ -141,9 +145,14 @@ class Sampler:
                 f"top_p={top_p}, top_k={top_k}: truncated sampling biases the importance ratio by "
                 "the kept mass; RL sampling must use the full distribution (top_p=1.0, top_k=-1)"
             )
-        if data.is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
+        if engine is not None:
+            if engine_kwargs:
+                raise ValueError(f"an engine given: {sorted(engine_kwargs)} would start another")
+            self.engine = engine
+        elif data.is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
-        self.engine = Engine(os.path.expanduser(model), seed=seed, **engine_kwargs)
+        else:
+            self.engine = Engine(os.path.expanduser(model), seed=seed, **engine_kwargs)
         try:
             self._read_tokenizer(phrase)
         except BaseException:

@@ -1639,6 +1639,30 @@ class SimEngine:
         return RequestOutput(r.request_id, prompt, [done])
 
 
+class SimHost:
+    """`infra.engine.Engine`'s surface over a `SimEngine`, for `generate.Sampler(engine=SimHost(
+    sim))`: the project's real Sampler then samples on the simulator. `client` is the SimEngine;
+    weights arrive from disk (its reload RPC); `dead()` says why it stopped, if it did; `shutdown()`
+    stops it; `kv_capacity`: max_model_len sequences one engine's KV cache holds."""
+
+    weight_transfer = "disk"
+
+    def __init__(self, sim: SimEngine):
+        self.client = sim
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.client.config.blocks() * BLOCK // self.client.model_config.max_model_len
+
+    def dead(self) -> str | None:
+        if self.client.errored or self.client._closed:
+            return "the simulated engine is shut down"
+        return None
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.client.shutdown(timeout)
+
+
 # --- the bench: the eval workload of `train.py --model qwen3-8b`
 @dataclass
 class EvalResult:

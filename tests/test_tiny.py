@@ -152,7 +152,9 @@ def test_default_build_loads_everywhere_and_starts_at_r0(built, tok):
     llm = LLM(
         model=built,
         enforce_eager=True,
-        gpu_memory_utilization=0.05,
+        # an explicit KV size: a RAM fraction fails whenever the engine process's own RSS (vLLM
+        # 0.32's cpu_worker subtracts it) or other processes' memory leave too little of it
+        kv_cache_memory_bytes=2**28,
         seed=0,
         max_model_len=512,
         max_num_seqs=1024,
