@@ -522,8 +522,6 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(f"--prompts-per-step {args.prompts_per_step}: must be >= 1")
     if args.group_size < 2:
         raise BadInput(f"--group-size {args.group_size}: must be >= 2 (group advantages)")
-    if args.group_size % world != 0:
-        raise BadInput(f"--group-size {args.group_size}: must divide across {world} ranks")
     if args.temperature <= 0:
         raise BadInput(f"--temperature {args.temperature}: must be > 0")
     lo, hi = args.think_budget

@@ -486,7 +486,7 @@ def _suggestion(shape, req, argv) -> str | None:
     dedicated generator, else the generator sharing trainer GPUs (--share-gpu); each with the run's
     activation checkpointing, then with it on."""
     n = req.n_gpus
-    fits_beside = [t for t in range(1, n) if req.G % t == 0 and n - t >= req.tp]
+    fits_beside = [t for t in range(1, n) if n - t >= req.tp]
     ranks = sorted(fits_beside, key=lambda t: (t != n // 2, t))  # half the GPUs first
     tries = [(t, False) for t in ranks] + [(req.world, True)]
     for ac in dict.fromkeys([req.checkpointing, True]):

@@ -167,39 +167,49 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
 
 
 @pytest.mark.parametrize(
-    "argv, world, match",
+    "argv, match",
     [
-        (["--model", "nope"], 1, "--model nope: not a preset"),
-        (["--recipe", "nope"], 1, "--recipe nope: unknown"),
-        (["--model", "/no/such/dir"], 1, "--model /no/such/dir: no such directory"),
-        (["--group-size", "5"], 2, "--group-size 5: must divide across 2 ranks"),
-        (["--max-tokens-per-microbatch", "0"], 1, "--max-tokens-per-microbatch 0: must be >= 1"),
-        (["--micro-batch-size", "0"], 1, "--micro-batch-size 0: must be >= 1"),
-        (["--think-budget", "400", "480"], 1, "--max-model-len 512: < max_prompt_len"),
-        (["--think-budget", "50", "40"], 1, "--think-budget 50 40: needs 0 < lo <= hi"),
+        (["--model", "nope"], "--model nope: not a preset"),
+        (["--recipe", "nope"], "--recipe nope: unknown"),
+        (["--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
+        (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch 0: must be >= 1"),
+        (["--micro-batch-size", "0"], "--micro-batch-size 0: must be >= 1"),
+        (["--think-budget", "400", "480"], "--max-model-len 512: < max_prompt_len"),
+        (["--think-budget", "50", "40"], "--think-budget 50 40: needs 0 < lo <= hi"),
         (
             ["--generator-gpus", "4", "5", "6", "--tensor-parallel-size", "2"],
-            1,
             "--tensor-parallel-size 2: must be >= 1 and divide the 3 --generator-gpus",
         ),
-        (["--async-mode", "ppo", "--max-lag", "0"], 1, "--max-lag 0: must be >= 1 with"),
-        (["--npr-threshold", "1.5"], 1, r"--npr-threshold 1.5: must be in \(0, 1\]"),
-        (["--npr-threshold", "0"], 1, r"--npr-threshold 0.0: must be in \(0, 1\]"),
-        (["--temperature", "0"], 1, "--temperature 0.0: must be > 0"),
-        (["--answer-budget", "0"], 1, "--answer-budget 0: must be >= 1"),
-        (["--gspo-eps-low", "-1e-3"], 1, "--gspo-eps-low -0.001: must be >= 0"),
-        (["--gspo-eps-high", "-1e-3"], 1, "--gspo-eps-high -0.001: must be >= 0"),
-        (["--task-weights", "a"], 1, "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
-        (["--task-weights", "a=-1"], 1, "--task-weights a=-1: must be TASK=WEIGHT"),
-        (["--task-weights", "a=inf"], 1, "--task-weights a=inf: must be TASK=WEIGHT"),
-        (["--task-weights", "a=1", "a=2"], 1, "--task-weights a=2: task a given twice"),
-        (["--task-weights", "a=0", "b=0"], 1, "--task-weights a=0 b=0: needs a weight > 0"),
+        (["--async-mode", "ppo", "--max-lag", "0"], "--max-lag 0: must be >= 1 with"),
+        (["--npr-threshold", "1.5"], r"--npr-threshold 1.5: must be in \(0, 1\]"),
+        (["--npr-threshold", "0"], r"--npr-threshold 0.0: must be in \(0, 1\]"),
+        (["--temperature", "0"], "--temperature 0.0: must be > 0"),
+        (["--answer-budget", "0"], "--answer-budget 0: must be >= 1"),
+        (["--gspo-eps-low", "-1e-3"], "--gspo-eps-low -0.001: must be >= 0"),
+        (["--gspo-eps-high", "-1e-3"], "--gspo-eps-high -0.001: must be >= 0"),
+        (["--task-weights", "a"], "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
+        (["--task-weights", "a=-1"], "--task-weights a=-1: must be TASK=WEIGHT"),
+        (["--task-weights", "a=inf"], "--task-weights a=inf: must be TASK=WEIGHT"),
+        (["--task-weights", "a=1", "a=2"], "--task-weights a=2: task a given twice"),
+        (["--task-weights", "a=0", "b=0"], "--task-weights a=0 b=0: needs a weight > 0"),
     ],
 )
-def test_bad_input_fails_before_any_work(argv, world, match):
+def test_bad_input_fails_before_any_work(argv, match):
     with pytest.raises(config.BadInput, match=match) as info:
-        config.validate(config.parse_args(argv), world)
+        config.validate(config.parse_args(argv), 1)
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv", [["--group-size", "16"], ["--model", "qwen3-8b"]], ids=["--group-size 16", "qwen3-8b"]
+)
+@pytest.mark.parametrize("world", [3, 5])
+def test_group_size_need_not_divide_over_the_trainer_ranks(argv, world):
+    # 3 trainer ranks (+ 4 generator + 1 eval GPU) is a split of 8 GPUs; token-budget micro-batches
+    # (train.plan_microbatches) split any batch over any number of ranks (issue 25, fix 5)
+    args = config.parse_args(argv)
+    assert args.group_size == 16 and 16 % world != 0
+    config.validate(args, world)  # does not raise
 
 
 # config.validate's other rules, one message each, in the order of Args' fields
@@ -485,9 +495,11 @@ def test_microbatch_loss_passes_every_loss_flag(monkeypatch):
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
 
 
-def fixed_batch(model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4):
-    """A saved batch with two groups of unequal lengths and mixed rewards; old_logp near the model's
-    own."""
+def fixed_batch(
+    model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4, rewards=(1, 0, 0, 1, 0, 1, 1, 1)
+):
+    """A saved batch of groups of G samples of unequal lengths and mixed rewards (one per sample);
+    old_logp near the model's own."""
     g = torch.Generator().manual_seed(0)
     S, T = len(lengths), max(lengths)
     input_ids = torch.randint(0, 256, (S, T), generator=g)
@@ -503,7 +515,7 @@ def fixed_batch(model_dir, lengths=(14, 11, 9, 14, 12, 6, 14, 10), G=4):
     old_logp = torch.zeros(S, T)
     old_logp[:, 1:] = lp + 0.3 * torch.randn(S, T - 1, generator=g)  # a stale sampler: rho != 1
     old_logp = torch.where(mask, old_logp, 0.0)
-    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1], dtype=torch.float64)
+    rewards = torch.tensor(rewards, dtype=torch.float64)
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -575,6 +587,53 @@ def test_two_ranks_equal_one_rank_and_a_plain_reference(tmp_path):
         torch.testing.assert_close(
             results[1]["weights"][k], results[2]["weights"][k], rtol=0, atol=1e-5
         )
+
+
+@pytest.mark.slow
+def test_group_size_16_on_3_ranks_is_accepted_and_trains_the_step_of_1_rank(tmp_path):
+    # 2 groups of G = 16 over 3 trainer ranks (16 % 3 = 1): validate accepts it, and the step's
+    # loss, gradient norm, clipped gradients and new weights equal the 1-rank step's
+    G = 16
+    config.validate(config.parse_args(["--group-size", str(G)]), 3)
+    model_dir = tiny.random_model(str(tmp_path / "model"), seed=7)
+    lengths = [6 + (5 * i) % 9 for i in range(2 * G)]  # 6..14 tokens, 2-10 completion tokens
+    rewards = [float(i % 3 == 0) for i in range(2 * G)]  # 6 of 16 and 5 of 16 correct
+    batch = fixed_batch(model_dir, lengths=lengths, G=G, rewards=rewards)
+    torch.save(batch, tmp_path / "batch.pt")
+    # longest first to the least-loaded rank: 107, 101 and 106 tokens in 11, 10 and 11 samples, so
+    # each group's 16 samples straddle the ranks unevenly
+    plan = train.plan_microbatches(lengths, 3, config.Args(micro_batch_size=3), False)
+    assert [sum(map(len, rank)) for rank in plan] == [11, 10, 11]
+    results = {}
+    for n in (1, 3):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(n),
+                os.path.join(ROOT, "tests", "dist_step.py"),
+                model_dir,
+                str(tmp_path / "batch.pt"),
+                str(tmp_path / f"out{n}.pt"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        results[n] = torch.load(tmp_path / f"out{n}.pt")["32768:3:0"]
+    one, three = results[1], results[3]
+    assert three["metrics"]["train/tokens"] == one["metrics"]["train/tokens"] == int(
+        batch["mask"].sum()
+    )
+    for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
+        assert abs(three["metrics"][k] - one["metrics"][k]) < 1e-6, k
+    for k, v in one["grads"].items():
+        torch.testing.assert_close(three["grads"][k], v, rtol=0, atol=1e-6, msg=k)
+    for k, v in one["weights"].items():
+        torch.testing.assert_close(three["weights"][k], v, rtol=0, atol=1e-6, msg=k)
+    assert max(v.abs().max() for v in one["grads"].values()) > 1e-3  # not ~0
 
 
 @pytest.mark.slow
