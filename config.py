@@ -468,7 +468,8 @@ def validate(args: Args, world: int) -> None:
     Args' fields (a rule on several fields comes after the last of them). Raises BadInput (code 2)
     naming the first bad flag and its value: `--steps 0: must be >= 1`. The two rules that need the
     data (--eval-size against each task's prompts, --task-weights against the data's tasks) are
-    loading.load_prompts', once it has loaded."""
+    loading.load_prompts', once it has loaded. No rule depends on `world`, the trainer ranks:
+    train.plan_microbatches splits any batch over any number of ranks (G need not divide)."""
     # --- run, seed, logging
     checkpointed = bool(args.run_dir) and os.path.exists(os.path.join(args.run_dir, "state.json"))
     if checkpointed and not args.resume:  # with --resume a checkpoint there is expected

@@ -121,7 +121,8 @@ def engine_args(
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
         use_tqdm_on_load=False,  # no loading bars at every in-flight weight update
         worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's hook for extra RPCs
-        disable_log_stats=True,
+        # on a GPU vLLM's stats (KV cache use, preemptions) are what tunes max_num_seqs
+        disable_log_stats=not cuda,
     )
 
 

@@ -30,6 +30,14 @@ Where the estimates depart from a measurement, and why:
    gradient. Plus CONTEXT_BYTES per process. Not measured on a GPU by this project yet.
 2. Generator: vLLM takes `utilization` of the GPU (its own rule): weights / tp (the fp32 LM head in
    fp32), VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
+3. Concurrency: an engine's max_num_seqs is KV_OVERCOMMIT (3) x the max_model_len sequences its KV
+   cache holds, not 1 x: a rollout holds about a third of max_model_len on average over its life
+   (KV_OVERCOMMIT's comment), and when the cache runs out vLLM preempts a sequence and recomputes
+   it later, which costs far less than the decoding the extra concurrency adds. Simulated
+   (bench/vllm_sim.py, not measured), qwen3-8b, 48 x 16 two-phase rollouts on one engine: at 1 x
+   (22 sequences on an H100) the KV cache is 32% used on average; at 3 x (66) throughput is 54%
+   higher (H200, 46 -> 138: 33%) for ~1 preemption per rollout; at 4 x it gains ~1% more while
+   preemptions triple.
 """
 
 import math
@@ -42,6 +50,14 @@ VLLM_RESERVE_BYTES = 4 * GIB  # vLLM's activations, CUDA graphs and sampler buff
 HEAD_CHUNK = 1024  # loss.token_logprobs' chunk_size: rows of (chunk, V) fp32 logits at a time
 DEDICATED_UTILIZATION = 0.9  # vLLM's share of a GPU it has to itself
 SHARED_UTILIZATION = 0.5  # ... of a GPU it shares with trainer rank 0 (--share-gpu)
+# max_num_seqs per max_model_len sequence the KV cache holds. A rollout's context grows from its
+# prompt to prompt + L + phrase + answer, so over its life it holds about half its final length;
+# in the qwen3 presets that length is mostly thinking, L ~ U[10240, 12288] (config.PAPER_GEN),
+# 11,264 tokens on average, 68% of max_model_len 16,512 (assumed: the prompt and the answer, a few
+# hundred tokens each, add about what thinking that stops before L takes away): 11,264 / 2 /
+# 16,512 = 0.34 of max_model_len held on average, so 3 rollouts per full-length sequence fill the
+# cache (the simulator's check: module docstring, 3).
+KV_OVERCOMMIT = 3
 # full-length sequences the eval engine's KV cache holds on a GPU it shares with the training
 # engine (--eval-gpus 0): it takes its weights, reserve and so much KV cache (at most half of vLLM's
 # share); the training engine the rest. Few: there the eval slows training generation anyway
@@ -165,19 +181,21 @@ def max_num_seqs(
     *, P: int, G: int, max_lag: int, mode: str, max_inflight: int, dp: int, kv_seqs: int
 ) -> int:
     """vLLM's max_num_seqs per engine: the rollouts the pipeline can have in flight, split over dp
-    engines, capped by the KV cache. P prompt groups per batch (after --batch-scale), G rollouts
-    each; batches in flight: max_lag + 1 for PipelineRL-k (k = max_lag: the pipeline's may_start
-    rule lets groups of the next k batches start), k for PPO-off-policy-k (k batches per weight
-    version), either way at most max_inflight / P (pipeline.Pipeline's cap on groups at once).
-    kv_seqs: sequences of max_model_len tokens the engine's KV cache holds (blocks x block size /
-    max_model_len): vLLM allocates blocks as sequences grow, so up to that many never preempt one
-    another. At least 1."""
+    engines, capped at KV_OVERCOMMIT x kv_seqs (module docstring, 3). P prompt groups per batch
+    (after --batch-scale), G rollouts each; batches in flight: max_lag + 1 for PipelineRL-k (k =
+    max_lag: the pipeline's may_start rule lets groups of the next k batches start), k for
+    PPO-off-policy-k (k batches per weight version), either way at most max_inflight / P
+    (pipeline.Pipeline's cap on groups at once). kv_seqs: sequences of max_model_len tokens the
+    engine's KV cache holds (blocks x block size / max_model_len); vLLM allocates blocks as
+    sequences grow, and a rollout holds about a third of max_model_len over its life, so about
+    KV_OVERCOMMIT x that many fill the cache, preempting (and recomputing) a few when long ones
+    meet. At least 1."""
     if mode == "pipeline":
         batches = min(max_lag + 1, max_inflight / P)
     else:
         batches = min(max_lag, max_inflight / P)
     demand = -(-round(P * G * batches) // dp)  # ceil over dp engines
-    return max(1, min(demand, kv_seqs))
+    return max(1, min(demand, KV_OVERCOMMIT * kv_seqs))
 
 
 # vLLM's KV cache on CPU when neither --kv-cache-gib nor a GPU memory share is given (GiB)
@@ -310,7 +328,7 @@ def _cpu_plan(shape, req):
     """No GPU: one device runs the trainer ranks and both engines; nothing to check."""
     per_seq = kv_bytes_per_token(shape, req.dtype_bytes) * req.max_model_len
     kv = (req.kv_cache_bytes or GIB) // per_seq
-    ev = EvalPlacement(None, 1, 1, None, True, max(1, min(req.eval_seqs, kv)), kv)
+    ev = EvalPlacement(None, 1, 1, None, True, max(1, min(req.eval_seqs, KV_OVERCOMMIT * kv)), kv)
     row = Row(-1, "cpu", f"{req.world} trainer rank(s) + generator + eval engine", {}, 0)
     n = max_num_seqs(**req.seqs(), dp=1, kv_seqs=kv)
     return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
@@ -331,7 +349,7 @@ def _gpu_plan(shape, req):
     ev_dp = max(1, n_eval // req.tp)
     rows = _rows(req, physical, trainer, tr, gen, ev, ev_dp)
     _check_sizes(req, rows, tr, other_ac, gen, ev, n_eval, notes, errors)
-    ev_seqs = max(1, min(-(-req.eval_seqs // ev_dp), max(ev.kv_seqs, 1)))
+    ev_seqs = max(1, min(-(-req.eval_seqs // ev_dp), KV_OVERCOMMIT * max(ev.kv_seqs, 1)))
     ev_gpus = [physical[g] for g in ev.gpus]
     evp = EvalPlacement(ev_gpus, req.tp, ev_dp, ev.utilization, not n_eval, ev_seqs, ev.kv_seqs)
     n = max_num_seqs(**req.seqs(), dp=dp, kv_seqs=max(gen.kv_seqs, 1))
@@ -538,7 +556,8 @@ def describe(p: Plan) -> str:
         f"{p.dp} on physical GPU(s) {','.join(p.generator) or '-'}; eval engine tp {ev.tp} x dp "
         f"{ev.dp} {where} physical GPU(s) {','.join(ev.gpus) or '-'}; gpu_hours counts "
         f"{p.devices} GPU(s); vLLM max_num_seqs {p.max_num_seqs} per engine (KV cache "
-        f"~{p.kv_seqs} full-length sequences), eval {ev.max_num_seqs}"
+        f"~{p.kv_seqs} full-length sequences, a rollout holds ~1/{KV_OVERCOMMIT} of one on "
+        f"average), eval {ev.max_num_seqs}"
     )
     lines = [head]
     for r in p.rows:

@@ -9,10 +9,13 @@ fits where trainer rank 0 plus both vLLM engines fit the GPU (not 8B on an H100)
 hold 8B's fp32 weights, gradients and AdamW states; (3) overlap with trainer GPUs is refused unless
 --share-gpu, and shared GPUs count once in gpu_hours; (4) --generator-gpus and the default placement
 read through CUDA_VISIBLE_DEVICES; (5) max_num_seqs = P x G x batches in flight over dp engines,
-capped by the KV cache; (6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from
-2 x tp generator GPUs on), else beside the training engine with the memory for its weights and
-EVAL_SHARED_SEQS sequences; bad --eval-gpus refused; on CPU it shares the device. Expected values
-are worked out by hand in each test from the formulas in placement.py's docstring.
+capped at 3 x the full-length sequences the KV cache holds (a rollout holds ~1/3 of max_model_len
+over its life): 66 per H100 engine and 138 per H200 engine for qwen3-8b, the eval engine alike;
+(6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from 2 x tp generator GPUs
+on), else beside the training engine with the memory for its weights and EVAL_SHARED_SEQS
+sequences; bad --eval-gpus refused; on CPU it shares the device; (7) the suggested split tries
+every trainer rank count, whatever G (3 ranks on a 6-GPU node with G = 16). Expected values are
+worked out by hand in each test from the formulas in placement.py's docstring.
 """
 
 import math
@@ -112,7 +115,8 @@ def test_four_trainer_ranks_three_generator_gpus_one_eval_gpu(model, gpu_bytes):
     assert p.dedicated and p.devices == 8 and p.utilization == 0.9
     ev = p.eval
     assert (ev.gpus, ev.tp, ev.dp, ev.utilization, ev.shared) == (["7"], 1, 1, 0.9, False)
-    assert ev.kv_seqs == p.kv_seqs and ev.max_num_seqs == p.kv_seqs  # 17,000 sequences: KV-bound
+    # 17,000 sequences: KV-bound, 3 rollouts per full-length sequence
+    assert ev.kv_seqs == p.kv_seqs and ev.max_num_seqs == 3 * p.kv_seqs
     N = pl.Shape.from_config(CONFIGS[model]).params
     assert p.rows[0].parts["params"] + p.rows[0].parts["adamw"] == 12 * N // 4
     assert p.rows[0].total < gpu_bytes and p.rows[4].parts == {"vllm": int(0.9 * gpu_bytes)}
@@ -165,6 +169,16 @@ def test_one_rank_cannot_hold_8b(gpu_bytes):
     assert p.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-8b"
     small = plan("qwen3-0.6b", gpu_bytes, nproc=1)  # fits: 1 trainer, 6 generator, 1 eval GPU
     assert not small.errors and (small.dp, small.eval.gpus, small.devices) == (6, ["7"], 8)
+
+
+def test_suggested_split_takes_a_rank_count_that_does_not_divide_g():
+    # a 6-GPU node, G = 16: half the GPUs (3 trainer ranks, 16 % 3 = 1) come first, and 8B fits on
+    # 3 ranks of an H100: 12 B x 8.19e9 / 3 sharded + ~28 GiB of transients (~68 GiB of 79.2)
+    p = plan("qwen3-8b", H100, nproc=6, n_gpus=6)
+    assert any("no GPU left for the generator" in e for e in p.errors)
+    assert p.fix == "torchrun --nproc_per_node 3 train.py --model qwen3-8b"
+    three = plan("qwen3-8b", H100, nproc=3, n_gpus=6)  # generator GPUs 3-4, eval GPU 5
+    assert not three.errors and (three.generator, three.eval.gpus) == (["3", "4"], ["5"])
 
 
 def test_activation_checkpointing_suggested_when_activations_do_not_fit():
@@ -224,13 +238,18 @@ def test_tensor_parallel_groups_and_idle_gpus():
     assert [r.role for r in q.rows[6:]] == ["vLLM eval tp 0", "vLLM eval tp 1"]
 
 
-def test_kv_cache_capacity_by_hand():
-    p = plan("qwen3-8b", H200, nproc=4)
+@pytest.mark.parametrize("gpu_bytes, kv_seqs", [(H100, 22), (H200, 46)])
+def test_kv_cache_capacity_by_hand(gpu_bytes, kv_seqs):
+    p = plan("qwen3-8b", gpu_bytes, nproc=4)
     kv_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16: 147,456 bytes
     weights = 8_190_735_360 * 2 + 151936 * 4096 * 2  # bf16, plus the fp32 head's other 2 bytes
-    kv = int(0.9 * H200) - weights - 4 * GIB
-    assert p.kv_seqs == kv // (kv_token * 16512) == 46
-    assert p.max_num_seqs == 46  # demand 48 x 16 x 2 / 4 = 384 per engine, capped by the KV cache
+    kv = int(0.9 * gpu_bytes) - weights - 4 * GIB  # H100: 50.9 GiB, H200: 105.9 GiB
+    assert p.kv_seqs == kv // (kv_token * 16512) == kv_seqs
+    # demand 48 x 16 x 2 / 3 = 512 per engine, capped at 3 rollouts per full-length sequence
+    assert p.max_num_seqs == 3 * kv_seqs
+    assert f"vLLM max_num_seqs {3 * kv_seqs} per engine (KV cache ~{kv_seqs} full-length" in (
+        pl.describe(p)
+    )
 
 
 def test_max_num_seqs_formula():
@@ -240,12 +259,13 @@ def test_max_num_seqs_formula():
     assert f(max_lag=8, mode="pipeline", **kw) == 48 * 16 * 2 // 4
     assert f(max_lag=0, mode="pipeline", **kw) == 48 * 16 // 4  # synchronous: one batch
     assert f(max_lag=1, mode="ppo", **kw) == 48 * 16 // 4  # one batch per weight version
-    assert f(max_lag=8, mode="pipeline", **{**kw, "kv_seqs": 46}) == 46
+    assert f(max_lag=8, mode="pipeline", **{**kw, "kv_seqs": 46}) == 3 * 46  # 384 > 138
     batch_scale = {**kw, "P": 80, "max_inflight": 160}
     assert f(max_lag=8, mode="pipeline", **batch_scale) == 80 * 16 * 2 // 4
     small = dict(P=2, G=4, max_lag=8, mode="pipeline")
     assert f(**small, max_inflight=4, dp=3, kv_seqs=99) == 6  # ceil(16 / 3)
     assert f(**small, max_inflight=8, dp=1, kv_seqs=99) == 32  # 4 batches
+    assert f(**small, max_inflight=8, dp=1, kv_seqs=10) == 30  # 32 > 3 x 10
     assert f(**small, max_inflight=8, dp=1, kv_seqs=0) == 1
 
 
@@ -273,7 +293,8 @@ def test_cpu_plan():
     assert (p.generator, p.devices, p.errors, p.dedicated) == (None, 1, [], False)
     assert p.kv_seqs == GIB // (2 * 2 * 64 * 4 * 512)  # 1 GiB / (K+V x 2 layers x 64 x fp32 x 512)
     assert p.max_num_seqs == 16 * 8 * 2  # two batches in flight, far below the KV cap
-    assert (p.eval.gpus, p.eval.shared, p.eval.max_num_seqs) == (None, True, p.kv_seqs)  # KV cap
+    # the eval's 17,000 sequences, capped at 3 x 2,048
+    assert (p.eval.gpus, p.eval.shared, p.eval.max_num_seqs) == (None, True, 3 * 2048)
     assert pl.describe(p).startswith("placement: CPU")
 
 
@@ -289,6 +310,7 @@ def test_eval_engine_shares_a_lone_generator_gpu_with_room_for_its_sequences():
         share = math.ceil(need / gpu_bytes * 1e4) / 1e4  # vLLM's fraction, rounded up
         assert p.eval.utilization == share and p.utilization == pytest.approx(0.9 - share)
         assert p.eval.kv_seqs == 4 and p.eval.shared and p.eval.gpus == p.generator == ["7"]
+        assert p.eval.max_num_seqs == 3 * 4
         assert p.rows[7].role == "vLLM dp 0 + vLLM eval" and p.devices == 8 and not p.errors
         assert "the eval engine shares the generator's GPU(s)" in " ".join(p.notes)
 
@@ -297,7 +319,7 @@ def test_eval_gpus_flag():
     p = plan("qwen3-0.6b", H200, nproc=4, eval_gpus=2)  # 2 of the 4 generator GPUs evaluate
     assert (p.generator, p.eval.gpus, p.eval.dp) == (["4", "5"], ["6", "7"], 2)
     assert [r.role for r in p.rows[6:]] == ["vLLM eval dp 0", "vLLM eval dp 1"]
-    assert p.eval.max_num_seqs == min(-(-17000 // 2), p.eval.kv_seqs)
+    assert p.eval.max_num_seqs == min(-(-17000 // 2), 3 * p.eval.kv_seqs)
     q = plan("qwen3-0.6b", H200, nproc=4, eval_gpus=0)  # shares GPU 4; 5-7 generate only
     assert q.generator == ["4", "5", "6", "7"] and q.eval.gpus == ["4"] and q.eval.shared
     for bad in (4, 5):  # none (or fewer than none) left to training generation

@@ -624,8 +624,10 @@ def test_group_size_16_on_3_ranks_is_accepted_and_trains_the_step_of_1_rank(tmp_
         )
         results[n] = torch.load(tmp_path / f"out{n}.pt")["32768:3:0"]
     one, three = results[1], results[3]
-    assert three["metrics"]["train/tokens"] == one["metrics"]["train/tokens"] == int(
-        batch["mask"].sum()
+    assert (
+        three["metrics"]["train/tokens"]
+        == one["metrics"]["train/tokens"]
+        == int(batch["mask"].sum())
     )
     for k in ("train/loss", "train/grad_norm", "train/clip_frac", "train/rho_mean"):
         assert abs(three["metrics"][k] - one["metrics"][k]) < 1e-6, k
