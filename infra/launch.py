@@ -243,14 +243,14 @@ def grace_warning(n_params: int, grace_s: float | None) -> str | None:
     """One line for rank 0 to print at start when a stop under torchrun (grace_s: torchrun_grace_s)
     would be SIGKILLed before this model's checkpoint is written: n_params x
     CHECKPOINT_BYTES_PER_PARAM at CHECKPOINT_WRITE_BYTES_PER_S, twice over for finishing the step
-    first, rounded up to a minute. None when the grace covers it or outside torchrun. Qwen3-8B
-    (8.19e9 parameters): 98 GB, ~98 s to write, --shutdown-timeout 240."""
+    first; the flag's value rounded up to a minute. None when the grace covers it or outside
+    torchrun. Qwen3-8B (8.19e9 parameters): 98 GB, ~98 s to write, --shutdown-timeout 240."""
     if grace_s is None:
         return None
     write_s = n_params * CHECKPOINT_BYTES_PER_PARAM / CHECKPOINT_WRITE_BYTES_PER_S
-    need_s = 60 * math.ceil(2 * write_s / 60)
-    if grace_s >= need_s:
+    if grace_s >= 2 * write_s:
         return None
+    need_s = 60 * math.ceil(2 * write_s / 60)
     gb = n_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
     return (
         f"warning: torchrun kills the workers {grace_s:.0f} s after a Ctrl-C, and this model's "
