@@ -176,7 +176,8 @@ def main(mode: str, out: str) -> None:
         sampler = FakeSampler(dead=mode == "dead")
         pipe = rank0_pipeline(sampler, loop, stop)
         client = engine.SyncClient(sampler, loop)
-    sender = FakeSender(client, sampler.engine if mode == "dead" else None)
+    dying = sampler.engine if mode == "dead" and rank == 0 else None
+    sender = FakeSender(client, dying)
     push = generator.nccl_pusher(None, pipe, sender, client, None, stop, timeout=5.0)
     dist.barrier()
     if mode == "stop" and rank == 0:
