@@ -220,7 +220,8 @@ PAPER_GEN = dict(
     eval_size=1000,
     eval_n=16,
     eval_every=100,
-    save_every=100,
+    # a step of 768 rollouts takes ~15 min on 8 x H200, ~30 on H100 (issue 25): <= 2 h / 4 h lost
+    save_every=8,
     warmup_steps=100,
     steps=5000,
     # one micro-batch holds the longest sequence (max_model_len); short rollouts share one

@@ -498,22 +498,47 @@ class Pipeline:
         with self._state.cv:
             return may_release(self.mode, self._round_consumed, self.k)
 
-    def publish_by(self, version: int, send) -> bool:
+    def publish_by(
+        self,
+        version: int,
+        send,
+        *,
+        agree=None,
+        abort=None,
+        timeout: float | None = None,
+    ) -> bool:
         """`publish` for the NCCL path: hand the sampler trainer version `version` through
         `send()`, a blocking call that loads it into the running engine
         (generate.Sampler.sync_client: pause, receive the broadcast, label the weights with
         `version`, resume), with the same bookkeeping: the version is released as `publish` would
         (`releases()`); one not released (PPO-off-policy-k mid-round) is only recorded, never
-        sent, as a superseded directory is never loaded. Returns whether it was sent. Raises
-        ValueError unless `version` exceeds every earlier one, the producer's exception if it
-        failed, RuntimeError if the sampler did not move to `version`, and send's errors."""
-        with self._state.cv:
-            self._state.check()
-            release = self._record_publish(version)
-        if not release:
+        sent, as a superseded directory is never loaded. Once stop() is True nothing is recorded
+        or sent: the run is stopping, as in `publish`.
+        Every trainer rank joins the send's gathers, so the decision is taken once: `agree(decide)`
+        runs `decide()` (the bookkeeping above; True to send) and returns what every rank follows
+        (infra/generator.py: launch.rank0_call(decide, share=True), which hands rank 0's decision,
+        or its error, to the other ranks); default: decide() itself.
+        The send runs in a thread under a watchdog that checks every POLL_S whether the engine died
+        and whether `timeout` s (None: no limit) passed: then `abort(why)` is called (the sender's:
+        it ends a broadcast no receiver will finish, so that send() returns once its gathers are
+        done), send() gets up to `timeout` s more (CLOSE_TIMEOUT without one) to return, and
+        RuntimeError (a dead engine) or TimeoutError says why in one line. Returns whether it was
+        sent. Raises ValueError unless `version` exceeds every earlier one, the producer's
+        exception if it failed, RuntimeError if the engine died or the sampler did not move to
+        `version`, and send's errors."""
+
+        def decide() -> bool:
+            with self._state.cv:
+                if self._state.stopping():
+                    return False
+                self._state.check()
+                return self._record_publish(version)
+
+        go = agree(decide) if agree else decide()
+        if not go:
             return False
         self.sampler.next_version = version  # the label the engine gives the weights send() loads
-        send()
+        self._watched(send, version, abort, timeout)
         if self.sampler.version != version:
             raise RuntimeError(
                 f"the sampler went to version {self.sampler.version}, expected {version}"
@@ -521,6 +546,46 @@ class Pipeline:
         self._weights_loaded(version)
         self._thread.wake(self._wake)
         return True
+
+    def _watched(self, send, version: int, abort, timeout: float | None) -> None:
+        """Run send() in a thread until it returns (raising what it raised) or the engine dies or
+        `timeout` s pass: then abort(why), a grace for send() to return, and raise."""
+        out = {}
+
+        def run():
+            try:
+                send()
+            except BaseException as e:  # re-raised in the calling thread
+                out["error"] = e
+
+        sender = threading.Thread(target=run, name="weight-send", daemon=True)
+        sender.start()
+        deadline = None
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+        while True:
+            sender.join(POLL_S)
+            if not sender.is_alive():
+                if "error" in out:
+                    raise out["error"]
+                return
+            dead = self._dead()
+            late = deadline is not None and time.monotonic() > deadline
+            if dead or late:
+                break
+        if dead:
+            why = f"{dead} during the weight send of version {version}"
+            error = RuntimeError(f"{why}; the pipeline cannot go on")
+        else:
+            why = f"the weight send of version {version} did not finish within {timeout} s"
+            error = TimeoutError(why)
+        if abort is not None:
+            abort(why)
+        grace = CLOSE_TIMEOUT if timeout is None else timeout
+        sender.join(grace)
+        if sender.is_alive():
+            error.add_note(f"the send did not return within {grace} s of its abort")
+        raise error from out.get("error")
 
     def _record_publish(self, version: int) -> bool:  # with self._state.cv held
         """Record a publish of `version`; True if it is released to the sampler now."""

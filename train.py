@@ -611,6 +611,8 @@ def main(args: Args) -> None:
             shutil.rmtree(start_dir, ignore_errors=True)
         log.close()
         dist.destroy_process_group()
+    if stop.get("failed"):  # rank 0: the engine failed the weight send; checkpointed above
+        sys.exit(1)
 
 
 if __name__ == "__main__":

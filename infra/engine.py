@@ -45,6 +45,8 @@ SHUTDOWN_TIMEOUT = 20.0
 NCCL_CHECKED_ON = "0.32"
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
+# SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
+ABORT_POLL_S = 0.5
 # os.environ is the process's: engines started from two threads at once must not mix their variables
 _SPAWN_LOCK = threading.Lock()
 
@@ -469,13 +471,35 @@ class WorkerExtension:
 class SyncClient:
     """vLLM's `VLLMWeightSyncClient` protocol (vllm.distributed.weight_transfer.base, checked on
     vLLM 0.32) over a `generate.Sampler` whose engine's client runs in another thread's loop; each
-    call blocks until done. The whole engine-side update happens in `update_weights` (the NCCL
-    backend sends one payload per round), so the pause spans exactly that."""
+    call blocks until done, or until `abort` (the weight send's watchdog, Pipeline.publish_by: an
+    RPC to a dead engine may never answer). The whole engine-side update happens in
+    `update_weights` (the NCCL backend sends one payload per round), so the pause spans exactly
+    that."""
 
     def __init__(self, sampler, loop: asyncio.AbstractEventLoop):
         self.sampler = sampler
         self.client = sampler.engine.client  # the AsyncLLM that receives
-        self._call = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()
+        self.loop = loop
+        self._aborted: str | None = None  # why, once abort() was called
+
+    def abort(self, why: str) -> None:
+        """From any thread: the call in progress and every later one raise RuntimeError(why)
+        instead of waiting for the engine."""
+        self._aborted = why
+
+    def _call(self, coro):
+        """Run `coro` in the engine's loop and wait for its result, checking every
+        ABORT_POLL_S whether abort() was called (then the coroutine is cancelled)."""
+        if self._aborted:
+            coro.close()
+            raise RuntimeError(self._aborted)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        while True:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                return future.result(ABORT_POLL_S)
+            if self._aborted:
+                future.cancel()
+                raise RuntimeError(self._aborted)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._call(

@@ -28,25 +28,30 @@ import torch.distributed as dist
 import generate
 import pipeline
 from config import Args
-from infra import checkpoint, engine, evals, watchdog
+from infra import checkpoint, engine, evals, launch, watchdog
 from infra.launch import free_port, rank0_call
 from infra.weight_dirs import VERSIONS_ALIVE, WeightDirs, weights_parent
 
 EVAL_NICE = 19  # the eval engine's CPU priority when it shares the CPU with the trainer (lowest)
+# the weight send's deadline: 1 GB/s, 10-100x below what NVLink or PCIe moves (a dead engine ends
+# it sooner), and never under 2 minutes, which covers vLLM's pause and the first send's set-up
+SEND_BYTES_PER_S = 1e9
+SEND_TIMEOUT_MIN_S = 120.0
 
 
-def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
+def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int, stop: dict):
     """push(version, snapshot=None), called on every rank after each step: the new weights to the
     sampler, as trainer version `version`. "disk": gathered per parameter in the sampler dtype
     (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
     flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
     engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
     tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
-    pipeline releases the version (pipe.publish_by), every rank joining the gathers.
+    pipeline releases the version (nccl_pusher), every rank joining the gathers.
     snapshot (every rank or none; an eval step): called on rank 0 with a directory holding the
     version's weights (with None elsewhere) before the sampler may load and delete it, for
     the eval engine to snapshot (EvalEngine.submit). Under "nccl" that directory is written for it
-    (an export, every rank joining, once per eval) and deleted after."""
+    (an export, every rank joining, once per eval) and deleted after. stop: the run's stop flag
+    (launch.on_stop_signal), which "nccl" reads and sets (nccl_pusher)."""
     if backend == "disk":
 
         def push(version: int, snapshot=None) -> None:
@@ -67,6 +72,49 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
         port=free_port(),
         world_size=1 + engine_ranks,
     )
+    # numel of an FSDP2 shard (DTensor) is the whole parameter's
+    weights_bytes = sum(p.numel() for p in policy.parameters()) * dtype.itemsize
+    timeout = send_timeout(weights_bytes)
+    return nccl_pusher(policy, pipe, sync, client, dtype, stop, timeout)
+
+
+def send_timeout(weights_bytes: int) -> float:
+    """Seconds rank 0's weight send may take (Pipeline.publish_by's deadline): `weights_bytes` (the
+    sampler's weights, all of them) gathered and broadcast at SEND_BYTES_PER_S, at least
+    SEND_TIMEOUT_MIN_S. Qwen3-8B in bf16 (16.4 GB): 164 s."""
+    return max(SEND_TIMEOUT_MIN_S, weights_bytes / SEND_BYTES_PER_S)
+
+
+def nccl_pusher(policy, pipe, sync, client, dtype, stop: dict, timeout: float | None):
+    """The "nccl" push of weight_pusher over `sync`, anything with send_weights() (every rank, a
+    collective: the parameters' gathers) and shutdown() (checkpoint.nccl_sender's engine; a fake in
+    tests/test_stop_push.py), and `client` (rank 0's engine.SyncClient, None elsewhere).
+    Rank 0 decides once whether this version is sent, and every rank follows (Pipeline.publish_by
+    through launch.rank0_call): not under PPO-off-policy-k mid-round, nor once stop["requested"]
+    (a Ctrl-C during the update: no rank enters the send, the step loop checkpoints and exits).
+    Rank 0's send has a deadline (`timeout` s, and a dead engine ends it sooner): then the sender
+    is shut down (its NCCL communicator aborted, the client's waits ended), what is left of the
+    send (the gathers every rank joins) finishes, rank 0 says why in one line and sets
+    stop["requested"] and stop["failed"], so that the step loop checkpoints this step and exits
+    (train.main: exit code 1). If the send does not return even then, its error is raised."""
+
+    def abort(why: str) -> None:
+        aborted.append(why)
+        if client is not None:
+            client.abort(why)  # the RPCs to the engine stop waiting
+        sync.shutdown()  # ncclCommAbort: the broadcast to a dead receiver ends; later ones no-ops
+
+    def send() -> None:
+        try:
+            sync.send_weights()
+        finally:
+            ended.set()
+
+    def agree(decide) -> bool:
+        return rank0_call(decide, share=True)
+
+    aborted = []  # why the watchdog ended a send
+    ended = threading.Event()  # the send returned (or raised)
 
     def push(version: int, snapshot=None) -> None:
         if snapshot is not None:  # the eval engine loads from disk: one export per eval
@@ -75,12 +123,21 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int):
             snapshot(out_dir)
             if pipe:
                 shutil.rmtree(out_dir)
-        go = [pipe.releases() if pipe else None]
-        dist.broadcast_object_list(go)  # PPO-off-policy-k sends once per round: all ranks or none
-        if pipe:
-            pipe.publish_by(version, sync.send_weights)
-        elif go[0]:
-            sync.send_weights()
+        if not pipe:  # rank 0's decision (publish_by): every rank sends, or none
+            if agree(None):
+                sync.send_weights()
+            return
+        aborted.clear()
+        ended.clear()
+        try:
+            pipe.publish_by(version, send, agree=agree, abort=abort, timeout=timeout)
+        except (RuntimeError, TimeoutError):
+            # every rank left the send: they all reach the step's checkpoint
+            if not (aborted and ended.is_set()):
+                raise
+            stop["requested"] = True
+            stop["failed"] = aborted[-1]
+            print(f"train.py: {aborted[-1]}: checkpoint, then exit", flush=True)
 
     return push
 
@@ -318,8 +375,13 @@ def start(
         line = run_line(args, inputs, run_dir, meta, world, device, backend, eval_prompts, prompts)
         print(line, flush=True)
         warn_if_kv_short(engines.pipe, inputs.plan, args)
+        grace = launch.grace_warning(inputs.n_params, launch.torchrun_grace_s())
+        if grace:
+            print(grace, flush=True)
     engine_ranks = inputs.plan.tp * inputs.plan.dp  # the sampler's vLLM workers: tp x dp
-    push_weights = weight_pusher(policy, engines.pipe, backend, inputs.gen_dtype, engine_ranks)
+    push_weights = weight_pusher(
+        policy, engines.pipe, backend, inputs.gen_dtype, engine_ranks, stop
+    )
     return engines, push_weights, start_dir
 
 

@@ -11,6 +11,7 @@ Every function here is called on every rank (most are collectives); rank 0 print
 import dataclasses
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -25,6 +26,14 @@ from config import Args
 from infra import checkpoint, placement
 
 HEARTBEAT_S = 1.0  # rank0_call: the other ranks' poll while rank 0 waits (vLLM, rollouts, evals)
+# torch 2.13's torchrun: on a signal the agent passes it to every worker once and SIGKILLs them
+# after --shutdown-timeout s (else $PET_SHUTDOWN_TIMEOUT, else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else
+# 30: torch/distributed/run.py, launcher/api.py LaunchConfig)
+TORCHRUN_GRACE_S = 30.0
+# a checkpoint's bytes per parameter: the fp32 master weight and AdamW's two fp32 moments
+CHECKPOINT_BYTES_PER_PARAM = 12
+# the write speed grace_warning assumes: 1 GB/s, a network filesystem's or one local disk's
+CHECKPOINT_WRITE_BYTES_PER_S = 1e9
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -201,6 +210,54 @@ def on_stop_signal(stop: dict) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def torchrun_grace_s(env=None, parent_argv: list[str] | None = None) -> float | None:
+    """Seconds torchrun leaves this worker between passing on a stop signal and SIGKILL, or None
+    when not started by torchrun (no TORCHELASTIC_RUN_ID). torchrun tells the workers nothing of it:
+    read, as its agent does, from its command line (`parent_argv`: default, the parent process's,
+    which is torchrun's), then the two environment variables a worker inherits, then the default
+    (TORCHRUN_GRACE_S)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    if parent_argv is None:
+        import psutil  # a vLLM dependency
+
+        parent_argv = psutil.Process().parent().cmdline()
+    for i, arg in enumerate(parent_argv):
+        name, _, value = arg.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            if not value and i + 1 < len(parent_argv):
+                value = parent_argv[i + 1]
+            return float(value)
+        if arg == "--" or not arg.startswith("-") and arg.endswith(".py"):
+            break  # the script's own flags follow
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        if env.get(name):
+            return float(env[name])
+    return TORCHRUN_GRACE_S
+
+
+def grace_warning(n_params: int, grace_s: float | None) -> str | None:
+    """One line for rank 0 to print at start when a stop under torchrun (grace_s: torchrun_grace_s)
+    would be SIGKILLed before this model's checkpoint is written: n_params x
+    CHECKPOINT_BYTES_PER_PARAM at CHECKPOINT_WRITE_BYTES_PER_S, twice over for finishing the step
+    first; the flag's value rounded up to a minute. None when the grace covers it or outside
+    torchrun. Qwen3-8B (8.19e9 parameters): 98 GB, ~98 s to write, --shutdown-timeout 240."""
+    if grace_s is None:
+        return None
+    write_s = n_params * CHECKPOINT_BYTES_PER_PARAM / CHECKPOINT_WRITE_BYTES_PER_S
+    if grace_s >= 2 * write_s:
+        return None
+    need_s = 60 * math.ceil(2 * write_s / 60)
+    gb = n_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
+    return (
+        f"warning: torchrun kills the workers {grace_s:.0f} s after a Ctrl-C, and this model's "
+        f"checkpoint ({gb:.0f} GB, ~{write_s:.0f} s at {CHECKPOINT_WRITE_BYTES_PER_S / 1e9:.0f} "
+        f"GB/s) after finishing the step needs more: start torchrun with --shutdown-timeout "
+        f"{need_s}"
+    )
 
 
 def stop_agreed(stop: dict) -> bool:
