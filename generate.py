@@ -113,7 +113,7 @@ class Sampler:
     every coroutine must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`).
     `version`: the label of the loaded weights that sampled tokens carry (Completion.versions): 0
     for the weights in `model`, then what update_weights / set_version give (a pipeline passes the
-    trainer's version), or a count of loads. `engines`: the engine's data-parallel engines;
+    trainer's version), or a count of loads. `dp`: the engine's data-parallel engines;
     `slots`: their running requests at most (max_num_seqs each); `finished_requests`: the vLLM
     requests (rollout phases) finished so far, a progress count for callers (infra/evals.py).
     Arguments:
@@ -181,18 +181,18 @@ class Sampler:
         self.next_version: int | None = None  # the next NCCL update's label (Pipeline.publish_by)
         self.loads = 0  # loads and relabels: the prefix-cache salt, unique per weights (dep. 4)
         self.finished_requests = 0
-        self._rollouts = [0] * self.engines  # this sampler's unfinished rollouts on each engine
+        self._rollouts = [0] * self.dp  # this sampler's unfinished rollouts on each engine
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
 
     def _read_engine(self, phrase: str) -> None:
-        """Set engines, slots, tokenizer, max_model_len, think_end_id (None: not a thinking
+        """Set dp, slots, tokenizer, max_model_len, think_end_id (None: not a thinking
         tokenizer) and phrase_ids from the started engine. Raises ValueError unless a thinking
         tokenizer's phrase ends with its only `</think>`."""
         config = self.engine.client.vllm_config
-        self.engines = config.parallel_config.data_parallel_size
-        self.slots = self.engines * config.scheduler_config.max_num_seqs
+        self.dp = config.parallel_config.data_parallel_size
+        self.slots = self.dp * config.scheduler_config.max_num_seqs
         self.tokenizer = self.engine.client.get_tokenizer()
         self.max_model_len = self.engine.client.model_config.max_model_len
         think_ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
@@ -343,7 +343,7 @@ class Sampler:
         out), then the answer; without thinking, one phase of answer_budget tokens. Both phases on
         the engine with the fewest of this sampler's rollouts (departure 6)."""
         rank = None  # one engine: nothing to choose
-        if self.engines > 1:
+        if self.dp > 1:
             rank = self._rollouts.index(min(self._rollouts))
             self._rollouts[rank] += 1
         try:

@@ -445,7 +445,7 @@ def test_the_engine_takes_the_phases_priority_and_engine_rank(vllm_engine, tmp_p
     s, run = vllm_engine.sampler, vllm_engine.run
     client = s.engine.client
     assert client.vllm_config.scheduler_config.policy == "priority"
-    assert (s.engines, s.slots) == (1, 64)  # conftest's max_num_seqs
+    assert (s.dp, s.slots) == (1, 64)  # conftest's max_num_seqs
     calls = []
     real_generate = client.generate
 
