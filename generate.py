@@ -31,6 +31,11 @@ Where it departs from the paper, and why:
    weight loads at the rollout's start.
 5. Plain temperature sampling (1.0 by default); top-p / top-k are rejected since they bias the
    importance ratio by the kept mass. The paper states no sampling parameters.
+6. vLLM serves by priority (issue 25): an answer phase (`ANSWER_PRIORITY`) goes before every
+   waiting thinking phase, which would otherwise all be served first (fcfs), and both phases of a
+   rollout run on one data-parallel engine (the one with the fewest of this sampler's rollouts),
+   where the answer finds its thinking's KV in the prefix cache. Under load this reorders
+   requests, not what each one samples.
 """
 
 import asyncio
@@ -45,6 +50,13 @@ from vllm import SamplingParams, TokensPrompt
 from infra.engine import Engine, SyncClient, versions_from_spans
 from tasks import data
 from tasks.data import THINK_CLOSE
+
+# vLLM priorities (engine_args' scheduling_policy "priority": the lowest number is served first,
+# ties by arrival): a rollout's first request, thinking or its only phase, and its answer phase,
+# which continues a rollout already started, its thinking's KV in the prefix cache; under fcfs it
+# queued behind every thinking phase submitted before it (issue 25)
+THINK_PRIORITY = 0
+ANSWER_PRIORITY = -1
 
 
 @dataclass
@@ -101,7 +113,10 @@ class Sampler:
     every coroutine must run in that loop (other threads use `asyncio.run_coroutine_threadsafe`).
     `version`: the label of the loaded weights that sampled tokens carry (Completion.versions): 0
     for the weights in `model`, then what update_weights / set_version give (a pipeline passes the
-    trainer's version), or a count of loads. Arguments:
+    trainer's version), or a count of loads. `dp`: the engine's data-parallel engines;
+    `slots`: their running requests at most (max_num_seqs each); `finished_requests`: the vLLM
+    requests (rollout phases) finished so far, a progress count for callers (infra/evals.py).
+    Arguments:
       model: a local directory (must exist) or a hub id, with its tokenizer.
       think_budget (lo, hi), answer_budget, phrase, temperature: generation defaults (paper
         §7.1-7.2; departures 2-3).
@@ -154,7 +169,7 @@ class Sampler:
         else:
             self.engine = Engine(os.path.expanduser(model), seed=seed, **engine_kwargs)
         try:
-            self._read_tokenizer(phrase)
+            self._read_engine(phrase)
         except BaseException:
             self.engine.shutdown()
             raise
@@ -165,14 +180,19 @@ class Sampler:
         self.version = 0  # the label sampled tokens carry: a pipeline's trainer version
         self.next_version: int | None = None  # the next NCCL update's label (Pipeline.publish_by)
         self.loads = 0  # loads and relabels: the prefix-cache salt, unique per weights (dep. 4)
+        self.finished_requests = 0
+        self._rollouts = [0] * self.dp  # this sampler's unfinished rollouts on each engine
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._update_lock = asyncio.Lock()
 
-    def _read_tokenizer(self, phrase: str) -> None:
-        """Set tokenizer, max_model_len, think_end_id (None: not a thinking tokenizer) and
-        phrase_ids from the started engine. Raises ValueError unless a thinking tokenizer's phrase
-        ends with its only `</think>`."""
+    def _read_engine(self, phrase: str) -> None:
+        """Set dp, slots, tokenizer, max_model_len, think_end_id (None: not a thinking
+        tokenizer) and phrase_ids from the started engine. Raises ValueError unless a thinking
+        tokenizer's phrase ends with its only `</think>`."""
+        config = self.engine.client.vllm_config
+        self.dp = config.parallel_config.data_parallel_size
+        self.slots = self.dp * config.scheduler_config.max_num_seqs
         self.tokenizer = self.engine.client.get_tokenizer()
         self.max_model_len = self.engine.client.model_config.max_model_len
         think_ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
@@ -273,8 +293,14 @@ class Sampler:
         temperature: float,
         stop_ids: list[int],
         salt: str,
+        *,
+        request_id: str,
+        priority: int,
+        rank: int | None,
     ) -> tuple[_Tokens, str]:
-        """One vLLM request: (the new tokens, all sampled (mask 1), finish reason)."""
+        """One vLLM request, served by `priority` (THINK_PRIORITY, ANSWER_PRIORITY) on data-parallel
+        engine `rank` (None: vLLM's choice): (the new tokens, all sampled (mask 1), finish
+        reason)."""
         params = SamplingParams(
             temperature=temperature,
             max_tokens=max_tokens,
@@ -284,10 +310,13 @@ class Sampler:
             detokenize=False,
         )
         prompt = TokensPrompt(prompt_token_ids=token_ids, cache_salt=salt)
-        request_id = f"gen-{next(self._ids)}"
         # default output kind FINAL_ONLY: a single RequestOutput, at the end
-        async for final in self.engine.client.generate(prompt, params, request_id):  # noqa: B007
+        outputs = self.engine.client.generate(
+            prompt, params, request_id, priority=priority, data_parallel_rank=rank
+        )
+        async for final in outputs:  # noqa: B007
             pass
+        self.finished_requests += 1
         done = final.outputs[0]
         if done.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
@@ -311,13 +340,47 @@ class Sampler:
         salt: str,
     ) -> Completion:
         """One rollout: thinking up to `</think>`, EOS or think_budget tokens (the phrase if it ran
-        out), then the answer; without thinking, one phase of answer_budget tokens."""
+        out), then the answer; without thinking, one phase of answer_budget tokens. Both phases on
+        the engine with the fewest of this sampler's rollouts (departure 6)."""
+        rank = None  # one engine: nothing to choose
+        if self.dp > 1:
+            rank = self._rollouts.index(min(self._rollouts))
+            self._rollouts[rank] += 1
+        try:
+            return await self._phases(
+                prompt_ids, thinking, temperature, think_budget, answer_budget, salt, rank
+            )
+        finally:
+            if rank is not None:
+                self._rollouts[rank] -= 1
+
+    async def _phases(
+        self,
+        prompt_ids: list[int],
+        thinking: bool,
+        temperature: float,
+        think_budget: int,
+        answer_budget: int,
+        salt: str,
+        rank: int | None,
+    ) -> Completion:
+        """`_rollout`'s requests, on engine `rank`."""
+        rollout = next(self._ids)
         budget = answer_budget
         stop = []
         if thinking:
             budget = think_budget
             stop = [self.think_end_id]
-        tokens, reason = await self._phase(prompt_ids, budget, temperature, stop, salt)
+        tokens, reason = await self._phase(
+            prompt_ids,
+            budget,
+            temperature,
+            stop,
+            salt,
+            request_id=f"gen-{rollout}-0",
+            priority=THINK_PRIORITY,
+            rank=rank,
+        )
         # L thinking tokens without `</think>` or EOS (paper A.10)
         interrupted = thinking and reason == "length"
         if interrupted:  # forced tokens: mask 0, no behaviour log-prob
@@ -326,7 +389,16 @@ class Sampler:
         # the model's own `</think>` also starts the answer; EOS while thinking: finished as is
         if interrupted or (thinking and tokens.ids[-1] == self.think_end_id):
             context = prompt_ids + tokens.ids
-            answer, reason = await self._phase(context, answer_budget, temperature, [], salt)
+            answer, reason = await self._phase(
+                context,
+                answer_budget,
+                temperature,
+                [],
+                salt,
+                request_id=f"gen-{rollout}-1",
+                priority=ANSWER_PRIORITY,
+                rank=rank,
+            )
             tokens += answer
         return Completion(
             prompt_ids=prompt_ids,

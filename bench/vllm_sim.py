@@ -1332,6 +1332,7 @@ class SimEngine:
             # vLLM reports the blocks of all dp engines summed (infra/engine.py's kv_capacity)
             cache_config=SimpleNamespace(num_gpu_blocks=config.blocks() * dp, block_size=BLOCK),
             parallel_config=SimpleNamespace(data_parallel_size=dp),
+            scheduler_config=SimpleNamespace(max_num_seqs=config.max_num_seqs),
         )
         self.errored = False
         self.records: list[RequestRecord] = []  # every finished or aborted request

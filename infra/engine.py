@@ -98,8 +98,8 @@ def engine_args(
 ) -> AsyncEngineArgs:
     """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults:
     eager mode and a 1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory);
-    GPU: CUDA graphs, 85% memory. fp32_head=False leaves the LM head in the model dtype (the
-    paper's `loo-fp32` ablation)."""
+    GPU: CUDA graphs, 85% memory. Requests are served by priority (`generate.ANSWER_PRIORITY`).
+    fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation)."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
@@ -117,6 +117,8 @@ def engine_args(
         enforce_eager=not cuda,
         # the answer phase of an interrupted rollout reuses its thinking's KV
         enable_prefix_caching=True,
+        # generate.ANSWER_PRIORITY: answer phases before waiting thinking phases (issue 25)
+        scheduling_policy="priority",
         # log-probs of the distribution actually sampled (after temperature)
         logprobs_mode="processed_logprobs",
         hf_overrides=head,

