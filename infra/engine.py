@@ -130,6 +130,19 @@ def engine_args(
     )
 
 
+async def log_stats(client, interval: float | None = None) -> None:
+    """Print vLLM's stats line (KV cache use, preemptions, prefix-cache hits, throughput) every
+    `interval` s (None: vLLM's VLLM_LOG_STATS_INTERVAL, 10 s) while the engine lives: `AsyncLLM`
+    collects its stats when started with them on (engine_args: on CUDA) but prints them only for
+    a caller that asks, as vLLM 0.32's API server does (entrypoints/launchers/utils/
+    server_utils.py). For a first GPU run to tune max_num_seqs by. Runs until cancelled."""
+    if interval is None:
+        interval = vllm.envs.VLLM_LOG_STATS_INTERVAL
+    while not client.errored:
+        await asyncio.sleep(interval)
+        await client.do_log_stats()
+
+
 def versions_from_spans(spans, n: int) -> list[int]:
     """Expand vLLM's weight-version spans of one request (`CompletionOutput.weight_versions`, vLLM
     >= 0.32: version labels over [start, end) output-token ranges, stamped by the engine core, which
@@ -315,6 +328,7 @@ class SamplerThread:
         self.loop = loop
         self._thread = None
         self._start = None  # start()'s future
+        self._stats = None  # the log_stats task of a sampler whose engine collects stats
         self._made = threading.Event()  # set once start()'s coroutine ended, however it ended
         self._closed = False
         self._lock = threading.Lock()  # sampler and _closed, between start() and close()
@@ -337,6 +351,8 @@ class SamplerThread:
                     closed = self._closed
                 if closed:  # close() stopped waiting for the start: nothing else will stop it
                     sampler.engine.shutdown()
+                elif getattr(sampler.engine.client, "log_stats", False):
+                    self._stats = asyncio.ensure_future(log_stats(sampler.engine.client))
                 return sampler
             finally:
                 self._made.set()
@@ -381,6 +397,8 @@ class SamplerThread:
         # (not the future: a caller's cancel marks it done while vLLM may still be starting)
         if self._start is not None and not self._made.wait(left()):
             return False
+        if self._stats is not None:
+            self.loop.call_soon_threadsafe(self._stats.cancel)
         if self.sampler is not None:
             self.sampler.engine.shutdown(timeout=max(left(), 1.0))  # kills what is left after it
             self.try_run(asyncio.sleep(0.2), left())  # vLLM's cancelled tasks end before the loop

@@ -311,14 +311,15 @@ def new_engines(
 
 
 def warn_if_kv_short(pipe, plan, args: Args) -> None:
-    """Rank 0: a warning when vLLM's measured KV cache holds fewer sequences than the plan's
-    estimate (max_num_seqs), so that long rollouts may preempt one another."""
+    """Rank 0: a warning when vLLM's measured KV cache holds fewer full-length sequences per engine
+    than the plan's estimate (plan.kv_seqs), from which max_num_seqs was sized
+    (placement.KV_OVERCOMMIT x that many): rollouts then preempt one another more than planned."""
     kv_capacity = pipe.sampler.engine.kv_capacity
-    if kv_capacity < plan.max_num_seqs:
+    if kv_capacity < plan.kv_seqs:
         print(
             f"warning: vLLM's KV cache holds {kv_capacity} sequences of "
-            f"{args.max_model_len} tokens per engine, fewer than max_num_seqs "
-            f"{plan.max_num_seqs}: long rollouts may preempt one another",
+            f"{args.max_model_len} tokens per engine, fewer than the {plan.kv_seqs} that "
+            f"max_num_seqs {plan.max_num_seqs} was sized for: expect more preemptions",
             flush=True,
         )
 

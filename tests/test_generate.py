@@ -308,6 +308,8 @@ def test_engine_args_rl_settings():
     assert gpu.weight_transfer_config.backend == "nccl"
     assert not cpu.use_tqdm_on_load and not gpu.use_tqdm_on_load  # no bars at every weight update
     assert cpu.scheduling_policy == gpu.scheduling_policy == "priority"  # answers first (issue 25)
+    # vLLM's stats (KV use, preemptions) on GPU, to tune max_num_seqs by; off on CPU
+    assert cpu.disable_log_stats and not gpu.disable_log_stats
 
 
 def test_engine_args_without_the_fp32_head_give_a_valid_vllm_config(tmp_path):
@@ -730,3 +732,46 @@ def test_kv_capacity_matches_the_placement_estimate(vllm_engine):
     per_token = placement.kv_bytes_per_token(from_config, dtype_bytes=4)
     assert per_token == 2 * 2 * 1 * 32 * 4  # K and V x layers x KV heads x head_dim x fp32
     assert vllm_engine.sampler.engine.kv_capacity == 2**28 // per_token // 1024 == 512
+
+
+def test_log_stats_asks_vllm_every_interval_until_cancelled_and_the_sampler_thread_starts_it():
+    """engine.log_stats calls the client's do_log_stats once per interval; SamplerThread starts it
+    for a sampler whose engine collects stats (AsyncLLM.log_stats) and cancels it on close."""
+
+    class Client:
+        errored = False
+
+        def __init__(self, log_stats):
+            self.log_stats = log_stats
+            self.calls = 0
+
+        async def do_log_stats(self):
+            self.calls += 1
+
+    class Host:
+        def __init__(self, client):
+            self.client = client
+
+        def shutdown(self, timeout=None):
+            pass
+
+    async def timed(client):
+        task = asyncio.ensure_future(engine.log_stats(client, interval=0.05))
+        await asyncio.sleep(0.275)  # intervals end at 0.05, 0.10, ..., 0.25: 5 calls
+        task.cancel()
+        return client.calls
+
+    assert asyncio.run(timed(Client(True))) == 5
+
+    for on in (True, False):
+        client = Client(on)
+
+        async def make(client=client):
+            return SimpleNamespace(engine=Host(client))
+
+        thread = engine.SamplerThread("stats-test")
+        thread.start(make()).result(10)
+        assert (thread._stats is not None) == on
+        assert thread.close(10.0)
+        if on:
+            assert thread._stats.cancelled()

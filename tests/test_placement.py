@@ -329,3 +329,24 @@ def test_eval_gpus_flag():
             "least 1 of the 4 generator GPU(s) to training generation"
         ]
         assert r.fix == "torchrun --nproc_per_node 4 train.py --model qwen3-0.6b"
+
+
+def test_kv_warning_compares_vllms_measured_cache_with_the_plans_estimate(capsys):
+    """generator.warn_if_kv_short warns when vLLM's KV cache holds fewer full-length sequences than
+    the plan's kv_seqs (what max_num_seqs = KV_OVERCOMMIT x kv_seqs was sized for), not when it
+    holds fewer than max_num_seqs, which overcommits by design."""
+    from types import SimpleNamespace
+
+    from infra import generator
+
+    plan = SimpleNamespace(kv_seqs=22, max_num_seqs=66)
+    args = SimpleNamespace(max_model_len=16512)
+    for measured, warns in ((22, False), (30, False), (21, True)):
+        pipe = SimpleNamespace(
+            sampler=SimpleNamespace(engine=SimpleNamespace(kv_capacity=measured))
+        )
+        generator.warn_if_kv_short(pipe, plan, args)
+        out = capsys.readouterr().out
+        assert bool(out) == warns, (measured, out)
+        if warns:
+            assert "holds 21 sequences" in out and "the 22 that max_num_seqs 66" in out
