@@ -110,8 +110,8 @@ def group_timeout(
     (the Pipeline's gen_timeout; train.py's default): a group may wait behind ceil(rollouts in
     flight / sequences the engines decode at once) rounds of full-length rollouts (rollout_tokens:
     thinking budget + phrase + answer budget), each decoded at s_per_token; at least
-    GEN_TIMEOUT_MIN_S. Qwen3-8B preset on 3 engines of 22 sequences: 1,536 rollouts in flight, 24
-    rounds of 14,400 tokens, 9.6 h."""
+    GEN_TIMEOUT_MIN_S. Qwen3-8B preset on 3 H100 engines of 66 sequences: 1,536 rollouts in
+    flight, 8 rounds of 16,512 tokens, 3.7 h."""
     rounds = -(-rollouts_in_flight // max(seqs_at_once, 1))
     return max(GEN_TIMEOUT_MIN_S, rounds * rollout_tokens * s_per_token)
 
