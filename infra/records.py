@@ -275,7 +275,8 @@ class RunLog:
     def submit_start_evals(self, step: int, path: str, start_dir: str | None) -> None:
         """Rank 0, before the first step: R0, the curve's anchor (Eq. 1's pass rate at the start),
         from the start weights `path`; on --resume also the checkpoint's own eval (from
-        `start_dir`) if it had not finished, and R0 again if a Ctrl-C abandoned it."""
+        `start_dir`) and R0 again if they had not finished (abandoned by a Ctrl-C, or still running
+        at a kill: train.restore)."""
         if not self.master:
             return
         done = {h["step"] for h in self.history}

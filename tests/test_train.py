@@ -13,7 +13,10 @@ the last eval, A identified or why not, a fit's error, no step-0 eval) and never
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
 15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
-(launch.rank0_call), while one plain collective does (the control).
+(launch.rank0_call), while one plain collective does (the control). A checkpoint waits for no
+eval but the last step's (issue 25; an eval engine stub held 60 s): its run state names the evals
+still running; --resume keeps the line, samples and history point (compute order) of one that
+finished after the checkpoint, warns once of one lost, and runs R0 and the checkpoint's own again.
 
 Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the
 flag and the value, exit code 2, no run directory, without importing torch (nor does --help); a bad
@@ -1363,12 +1366,15 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     assert [m["step"] for m in steps] == list(
         range(1, 7)
     )  # continuous: nothing lost, nothing twice
-    # every eval once: one logged after the checkpoint was dropped and ran again from it
+    # every eval once: one still running at the checkpoint and logged after it stayed (issue 25),
+    # one cut off by the kill ran again from its weights; the history holds each line's point
     assert sorted(m["step"] for m in evals) == [0, 2, 4, 6]
-    hours = [m["gpu_hours"] for m in steps]
-    assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     with open(state_path) as f:
         final = json.load(f)
+    points = sorted(map(checkpoint.eval_point, evals), key=lambda h: (h["gpu_hours"], h["step"]))
+    assert final["history"] == points and final["pending_evals"] == []
+    hours = [m["gpu_hours"] for m in steps]
+    assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     retired_after = set(final["pool"]["retired"])
     assert (
         retired_before and retired_before <= retired_after
