@@ -492,8 +492,10 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
 def restore(args: Args, run_dir: str, policy, optimizer, pool, master: bool) -> dict:
     """The run's state at its start: step 0, a zero compute clock and no evals; on --resume the
     checkpoint's, with the weights, optimizer and prompt pool restored in place and metrics.jsonl
-    and samples.jsonl cut back to it (evals logged after it are not in its history: they go too).
-    Returns {"step", "clock", "history", "pool"}."""
+    and samples.jsonl cut back to it (checkpoint.resume_logs: an eval still running at the
+    checkpoint that finished after it stays, with its place in the history; one that never finished
+    is said lost, unless RunLog.submit_start_evals runs it again: R0 and the checkpoint's own).
+    Returns {"step", "clock", "history", "pool", "pending_evals"}."""
     if not args.resume:
         clock = {"gpu_hours": 0.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0}
         return {"step": 0, "clock": clock, "history": [], "pool": None}
@@ -502,9 +504,14 @@ def restore(args: Args, run_dir: str, policy, optimizer, pool, master: bool) -> 
     pool.load_state_dict(state["pool"])
     # the logs go back to the checkpoint: the steps after it run again
     if master:
-        done = {h["step"] for h in state["history"]}
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            checkpoint.truncate_log(os.path.join(run_dir, name), state["step"], evals=done)
+        unfinished = checkpoint.resume_logs(run_dir, state)
+        lost = [v for v in unfinished if v not in (0, state["step"])]
+        if lost:
+            print(
+                f"warning: the eval(s) of step(s) {lost} were still running at the checkpoint of "
+                f"step {state['step']} and never finished: lost (their weights are gone)",
+                flush=True,
+            )
     return state
 
 

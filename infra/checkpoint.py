@@ -1,10 +1,10 @@
 """The run directory's durable state: sharded checkpoints (torch.distributed.checkpoint), the
-full-weight export the sampler reloads after every step (and the final Hugging Face export), log
-truncation on resume, and what produced the run (meta.json).
+full-weight export the sampler reloads after every step (and the final Hugging Face export), the
+logs and eval history on resume (resume_logs), and what produced the run (meta.json).
 
     runs/NAME/checkpoints/step_000050/   model + optimizer, one shard file per rank (DCP)
     runs/NAME/state.json                 step, weight version, prompt pool, held-out eval history,
-                                         compute clock
+                                         evals still running, compute clock
     runs/NAME/metrics.jsonl, samples.jsonl, args.json, meta.json, heldout.json, fit.json, fit.png,
     runs/NAME/final/                     the trained weights, loadable by transformers and vLLM
 
@@ -13,6 +13,7 @@ run killed at any moment resumes from the last complete one. export_weights, exp
 save_checkpoint and load_checkpoint are collectives: call them on every rank.
 """
 
+import bisect
 import json
 import math
 import os
@@ -151,28 +152,74 @@ def load_checkpoint(run_dir: str, policy, optimizer) -> dict:
     return state
 
 
-def _keep(line: str, step: int, evals: set[int] | None) -> bool:
+def _kept(line: str, step: int, evals: set[int] | None) -> dict | None:
     try:
         rec = json.loads(line)
     except ValueError:  # the half-written last line of a killed run
-        return False
+        return None
     if rec.get("step", math.inf) > step:
-        return False
+        return None
     eval_line = "eval/version" in rec or rec.get("split") == "eval"
-    return evals is None or not eval_line or rec["step"] in evals
+    if evals is None or not eval_line or rec["step"] in evals:
+        return rec
+    return None
 
 
-def truncate_log(path: str, step: int, evals: set[int] | None = None) -> None:
+def truncate_log(path: str, step: int, evals: set[int] | None = None) -> list[dict]:
     """Keep the lines of steps <= `step` (a resumed run rewrites what came after its checkpoint, and
-    drops a line cut off by a kill). evals: the steps whose evals the checkpoint's history holds;
-    an eval's lines (metrics.jsonl lines with eval/version, samples.jsonl records of split "eval")
-    of any other step go too: evals finish after the step they measured, so one logged after the
-    checkpoint can carry a step <= `step` (it runs again)."""
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if _keep(line, step, evals)]
-        with open(path, "w") as f:
-            f.writelines(keep)
+    drops a line cut off by a kill) and return them, parsed. evals: the steps whose eval lines stay
+    (metrics.jsonl lines with eval/version, samples.jsonl records of split "eval"): an eval
+    finishes after the step it measured, so its line can come after the checkpoint and still carry
+    a step <= `step`; the lines of an eval of any other step go (resume_logs says which stay)."""
+    if not os.path.exists(path):
+        return []
+    keep, recs = [], []
+    with open(path) as f:
+        for line in f:
+            rec = _kept(line, step, evals)
+            if rec is not None:
+                keep.append(line)
+                recs.append(rec)
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return recs
+
+
+def eval_point(line: dict) -> dict:
+    """An eval's point in the run's eval history, from its metrics.jsonl line: the step (weight
+    version) and gpu_hours it measured and its own metrics (eval/*), without eval/logged_at_step,
+    which only says when it finished."""
+    own = {k: v for k, v in line.items() if k.startswith("eval/") and k != "eval/logged_at_step"}
+    return {"step": line["step"], "gpu_hours": line["gpu_hours"], **own}
+
+
+def add_eval(history: list[dict], line: dict) -> None:
+    """Insert the eval of metrics.jsonl line `line` into `history`, the finished evals in compute
+    order (gpu_hours, then step), as eval_point: RunLog.log_evals as an eval finishes, resume_logs
+    for one that finished after its checkpoint; the same point in the same place either way."""
+    bisect.insort(history, eval_point(line), key=lambda h: (h["gpu_hours"], h["step"]))
+
+
+def resume_logs(run_dir: str, state: dict) -> list[int]:
+    """On --resume (rank 0): metrics.jsonl and samples.jsonl cut back to the checkpoint whose run
+    state (state.json) is `state`; the lines of evals after it go, they run again. A checkpoint
+    waits for no eval, so evals of its weights or earlier ones may still be running
+    (state["pending_evals"], steps <= the checkpoint's): the line of one that finished after the
+    checkpoint measured those weights, so it stays and joins state["history"] (in place) where the
+    live run put it; an eval's samples stay with its line. Returns the pending evals' steps that
+    never finished (no line): their weights are gone, except R0's and the checkpoint's own."""
+    step = state["step"]
+    done = {h["step"] for h in state["history"]}
+    pending = set(state.get("pending_evals") or ()) - done  # none in a checkpoint from before
+    lines = truncate_log(os.path.join(run_dir, "metrics.jsonl"), step, evals=done | pending)
+    finished = set()
+    for line in lines:
+        if "eval/version" in line and line["step"] in pending - finished:
+            add_eval(state["history"], line)
+            finished.add(line["step"])
+    # RunLog.write flushes an eval's samples before its line: with a line, its samples are whole
+    truncate_log(os.path.join(run_dir, "samples.jsonl"), step, evals=done | finished)
+    return sorted(pending - finished)
 
 
 def clear_run(run_dir: str) -> None:

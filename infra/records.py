@@ -9,7 +9,8 @@ run), and the checkpoints.
 Each metrics.jsonl line carries the compute clock of the weights it measured: gpu_hours
 (device-hours), tokens (generated + trained) and flops (2 N per generated token, 6 N per trained
 token). An eval's line comes steps after the step it measured, in the order the evals were
-submitted, with eval/logged_at_step.
+submitted, with eval/logged_at_step. A checkpoint waits for no eval but the last step's: it names
+those still running, and a resumed run keeps the line of one that finished after it (RunLog.save).
 
 Where it departs from the paper (arXiv 2510.13786: pass rate §7.1 and A.5, the fit §5), and why:
 1. Evals are asynchronous (infra/evals.py): an eval's line is logged late, against the step and
@@ -18,7 +19,6 @@ Where it departs from the paper (arXiv 2510.13786: pass rate §7.1 and A.5, the 
    CPU the machine counts as one device.
 """
 
-import bisect
 import collections
 import dataclasses
 import functools
@@ -197,9 +197,10 @@ class RunLog:
 
     def write(self, line: dict, step: int) -> None:
         """Rank 0: one metrics.jsonl line, and W&B at the loop's `step`."""
+        # samples first: an eval's line on disk means its samples are whole (checkpoint.resume_logs)
+        self.samples_f.flush()
         self.metrics_f.write(json.dumps(line) + "\n")
         self.metrics_f.flush()
-        self.samples_f.flush()
         if self.wandb is not None:  # eval lines come late: their charts run on eval/step
             if "eval/version" in line:
                 line = {**line, "eval/step": line["step"]}
@@ -274,7 +275,8 @@ class RunLog:
     def submit_start_evals(self, step: int, path: str, start_dir: str | None) -> None:
         """Rank 0, before the first step: R0, the curve's anchor (Eq. 1's pass rate at the start),
         from the start weights `path`; on --resume also the checkpoint's own eval (from
-        `start_dir`) if it had not finished, and R0 again if a Ctrl-C abandoned it."""
+        `start_dir`) and R0 again if they had not finished (abandoned by a Ctrl-C, or still running
+        at a kill: train.restore)."""
         if not self.master:
             return
         done = {h["step"] for h in self.history}
@@ -302,16 +304,18 @@ class RunLog:
                 shown[rec["task"]] += 1
                 if shown[rec["task"]] <= self.args.log_samples:
                     self.samples_f.write(json.dumps({"step": at, "split": "eval", **rec}) + "\n")
-            point = {"step": at, "gpu_hours": c["gpu_hours"], **r.metrics}
-            bisect.insort(self.history, point, key=lambda h: (h["gpu_hours"], h["step"]))
             m = {
                 **r.metrics,
                 "eval/logged_at_step": step,
                 "time/eval_s": r.eval_s,
                 "time/eval_queued_s": r.queued_s,
-                **curve_fit(self.history, self.args.steps),
             }
-            self.write({"step": at, **clock_fields(c), **m}, step)
+            line = {"step": at, **clock_fields(c), **m}
+            # its point from its line, as a resumed run rebuilds it (checkpoint.resume_logs)
+            checkpoint.add_eval(self.history, line)
+            m.update(curve_fit(self.history, self.args.steps))
+            line.update(m)
+            self.write(line, step)
             print(eval_line(at, self.args.steps, m, r, step), flush=True)
 
     def await_evals(self, step: int, done, why: str, count: bool = True) -> bool:
@@ -352,34 +356,38 @@ class RunLog:
         )
 
     def save(self, step: int, policy, optimizer, pool, stopping: bool = False) -> None:
-        """A checkpoint of this step (a collective: every rank writes its shards). The evals of
-        earlier versions finish first (pending ones are few: max_evals_pending), so that the history
-        saved holds them; this step's own eval runs again on --resume, from the restored weights
-        (the last step's is waited for: the run ends). On a stop (Ctrl-C) pending evals are
-        abandoned and said so."""
+        """A checkpoint of this step (a collective: every rank writes its shards). It waits for no
+        eval (an eval of 1,000 prompts x 16 runs for hours, a step for minutes: issue 25), except at
+        the last step, whose evals the run's end and final fit need. The run state names the evals
+        still pending (`pending_evals`, rank 0's: steps <= this one); one that finishes after the
+        checkpoint is logged as ever, and on --resume its line stays and joins the history
+        (checkpoint.resume_logs), while one that never finished is lost, bar R0 and this step's
+        own, which run again from their weights (submit_start_evals). On a stop (Ctrl-C) pending
+        evals are abandoned (nothing logs after this checkpoint) and said so."""
         if self.saved == step:
             return
-        last = step + 1 if step == self.args.steps else step
-        finished = not stopping and self.await_evals(
-            step, lambda pending: all(v >= last for v in pending), "earlier evals at the checkpoint"
-        )
-        if not finished:
-            lost = []
-            if self.master:
-                lost = self.eval_engine.pending()
-            if lost:
-                again = f"; step {step}'s runs again on --resume" if step in lost else ""
-                print(
-                    f"warning: the eval(s) of step(s) {lost} were still running: abandoned{again}",
-                    flush=True,
-                )
-        if self.master:  # evals finished since the last step's log go in the history saved
-            self.log_evals(step)
+        finished = True
+        if step == self.args.steps and not stopping:
+            finished = self.await_evals(step, lambda pending: not pending, "the last evals")
+        pending = []
+        if self.master:
+            # pending before results: an eval finishing in between is then in one of the two
+            pending = self.eval_engine.pending()
+            self.log_evals(step)  # evals finished since the last step's log go in the history
+            done = {h["step"] for h in self.history}
+            pending = [v for v in pending if v not in done]
+        if pending and (stopping or not finished):
+            again = f"; step {step}'s runs again on --resume" if step in pending else ""
+            print(
+                f"warning: the eval(s) of step(s) {pending} were still running: abandoned{again}",
+                flush=True,
+            )
         run_state = {
             "version": step,
             "clock": self.clock,
             "history": self.history,
             "pool": pool.state_dict() if self.master else None,
+            "pending_evals": pending if self.master else None,
         }
         checkpoint.save_checkpoint(self.run_dir, step, policy, optimizer, run_state)
         self.saved = step

@@ -6,9 +6,10 @@ elementwise, so cast-then-gather equals gather-then-cast), on 1 and 2 gloo ranks
 NCCL weight source (metadata against iteration) passes too. With dtype=None it writes the final
 Hugging Face export: the tensors `lm.save_pretrained` of the full state dict writes, and
 export_pretrained's directory loads back in transformers, weights and tokenizer. truncate_log on
---resume keeps the lines of steps up to the checkpoint, and of the evals only those in the
-checkpoint's history (issue 10: evals finish after their step, so one logged after the
-checkpoint can carry an earlier step)."""
+--resume keeps the lines of steps up to the checkpoint, and of the evals only those it is given
+(issue 10: evals finish after their step, so one logged after the checkpoint can carry an earlier
+step; train.py's resume tests pin which: those in the history or still running at the checkpoint,
+issue 25), and returns them parsed."""
 
 import json
 import os
@@ -114,9 +115,10 @@ def test_truncate_log_keeps_the_steps_and_the_evals_of_the_checkpoint(tmp_path):
     for name, lines in (("metrics.jsonl", metrics), ("samples.jsonl", samples)):
         path = tmp_path / name
         path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 5, "tra')
-        checkpoint.truncate_log(str(path), 3, evals={0, 2})
+        returned = checkpoint.truncate_log(str(path), 3, evals={0, 2})
+        assert returned == [json.loads(x) for x in path.read_text().splitlines()]
     kept = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
-    assert kept("metrics.jsonl") == metrics[:5]  # step 3's eval (not in the history) reruns
+    assert kept("metrics.jsonl") == metrics[:5]  # step 3's eval (not in evals) goes
     assert kept("samples.jsonl") == samples[:2]
     (tmp_path / "old.jsonl").write_text("".join(json.dumps(x) + "\n" for x in metrics))
     checkpoint.truncate_log(str(tmp_path / "old.jsonl"), 3)  # evals=None: by step only

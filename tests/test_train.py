@@ -13,7 +13,10 @@ the last eval, A identified or why not, a fit's error, no step-0 eval) and never
 Evaluation (issue 10): each eval's metrics.jsonl line comes when it finishes, once, with the step,
 version and compute clock it measured (also across kill -9 and --resume); the 2-rank run survives a
 15 s collective timeout, and rank 0 busy for 2.5x the timeout does not end the other rank
-(launch.rank0_call), while one plain collective does (the control).
+(launch.rank0_call), while one plain collective does (the control). A checkpoint waits for no
+eval but the last step's (issue 25; an eval engine stub held 60 s): its run state names the evals
+still running; --resume keeps the line, samples and history point (compute order) of one that
+finished after the checkpoint, warns once of one lost, and runs R0 and the checkpoint's own again.
 
 Stopping and mistakes (issue 13), with real processes: a bad flag gets one line on stderr naming the
 flag and the value, exit code 2, no run directory, without importing torch (nor does --help); a bad
@@ -33,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import psutil
@@ -807,6 +811,151 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     )
 
 
+# ---- a checkpoint never waits for an eval; --resume keeps one that finished after it (issue 25)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo process group in this process: RunLog's waits are collectives."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+class HeldEvals:
+    """An eval engine whose evals of `versions` run for `hold` s from its creation (the step-0
+    eval of 1,000 prompts x 16 on GPUs: hours); records what is submitted."""
+
+    max_evals_pending = 2
+
+    def __init__(self, versions, hold):
+        self.versions = versions
+        self.until = time.monotonic() + hold
+        self.submitted = []
+
+    def pending(self):
+        return list(self.versions) if time.monotonic() < self.until else []
+
+    def wait(self, at_most=0, timeout=None):
+        time.sleep(max(0.0, min(timeout, self.until - time.monotonic())))
+        return not self.pending()
+
+    def results(self):
+        return []
+
+    def submit(self, prompts, n, *, version, weights, greedy, tag):
+        self.submitted.append((version, weights, tag["clock"]["gpu_hours"]))
+
+
+def run_log(tmp_path, engine, state, **flags):
+    args = config.Args(steps=20, eval_every=4, save_every=8, eval_n=2, **flags)
+    inputs = types.SimpleNamespace(thinking=False, plan=types.SimpleNamespace(devices=1))
+    return records.RunLog(args, str(tmp_path), engine, ["p"], state, inputs)
+
+
+def test_a_checkpoint_waits_for_no_eval_and_names_the_pending_ones(tmp_path, one_rank, monkeypatch):
+    """Step 8's checkpoint while the eval of step 0 still runs (60 s here) and step 8's waits: it
+    returns at once and its run state names both; the last step's checkpoint still waits for its
+    evals (held 2 s), then has none pending."""
+    saved = []
+    monkeypatch.setattr(checkpoint, "save_checkpoint", lambda *a: saved.append(a))
+    clock = {"gpu_hours": 2.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0}
+    state = {"step": 0, "clock": clock, "history": []}
+    pool = types.SimpleNamespace(state_dict=lambda: {"pool": 1})
+    log = run_log(tmp_path, HeldEvals([0, 8], hold=60), state)
+    t = time.monotonic()
+    log.save(8, None, None, pool)
+    assert time.monotonic() - t < 1
+    run_dir, step, _, _, run_state = saved[0]
+    assert (run_dir, step) == (str(tmp_path), 8)
+    assert run_state["pending_evals"] == [0, 8] and run_state["clock"]["gpu_hours"] == 2.0
+    log.eval_engine = HeldEvals([20], hold=2)
+    t = time.monotonic()
+    log.save(20, None, None, pool)
+    assert time.monotonic() - t >= 2 and saved[1][4]["pending_evals"] == []
+
+
+R0 = {"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.25, "eval/version": 0}
+
+
+def resumable(tmp_path, monkeypatch, history, pending, metrics_lines, samples):
+    """A run directory checkpointed at step 4 (eval every 2: `history` finished, `pending` still
+    running) with the logs `metrics_lines` and `samples` written meanwhile; train.restore's
+    state."""
+    state = {"step": 4, "clock": {"gpu_hours": 1.0}, "history": history, "pool": {}}
+    state["pending_evals"] = pending
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a: json.loads(json.dumps(state)))
+    for name, lines in (("metrics.jsonl", metrics_lines), ("samples.jsonl", samples)):
+        (tmp_path / name).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = types.SimpleNamespace(resume=str(tmp_path))
+    pool = types.SimpleNamespace(load_state_dict=lambda s: None)
+    return train.restore(args, str(tmp_path), None, None, pool, True)
+
+
+def test_resume_keeps_an_eval_that_finished_after_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """Checkpoint at step 4 with the evals of steps 2 and 4 running; step 2's finished at step 5,
+    then step 6's eval was logged and the run was killed while step 4's ran. Step 2's line and
+    samples stay and its point joins the history after R0 (gpu_hours 0.5 > 0); steps 5-6 and
+    step 6's eval go, step 4's partial samples too (its eval runs again: no warning)."""
+    metrics_lines = [
+        R0,
+        *({"step": s, "gpu_hours": s / 4, "train/reward": 0.1} for s in (1, 2, 3, 4, 5)),
+        {
+            "step": 2,
+            "gpu_hours": 0.5,
+            "tokens": 100,
+            "eval/pass_rate": 0.375,
+            "eval/greedy_pass_rate": 0.5,
+            "eval/version": 2,
+            "eval/logged_at_step": 5,
+            "time/eval_s": 3.0,
+        },
+        {"step": 6, "gpu_hours": 1.5, "train/reward": 0.2},
+        {"step": 6, "gpu_hours": 1.5, "eval/pass_rate": 0.5, "eval/version": 6},
+    ]
+    samples = [
+        {"step": 4, "split": "train"},
+        {"step": 2, "split": "eval", "reward": 1.0},
+        {"step": 4, "split": "eval", "reward": 0.0},  # step 4's eval, cut off before its line
+        {"step": 6, "split": "eval", "reward": 1.0},
+    ]
+    state = resumable(tmp_path, monkeypatch, [R0], [2, 4], metrics_lines, samples)
+    assert state["history"] == [
+        R0,
+        {
+            "step": 2,
+            "gpu_hours": 0.5,
+            "eval/pass_rate": 0.375,
+            "eval/greedy_pass_rate": 0.5,
+            "eval/version": 2,
+        },
+    ]
+    assert metrics(str(tmp_path)) == [*metrics_lines[:5], metrics_lines[6]]  # step 5 goes
+    kept = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert kept == samples[:2]
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_resume_says_which_pending_evals_are_lost_and_reruns_R0_and_its_own(
+    tmp_path, monkeypatch, capsys, one_rank
+):
+    """Checkpoint at step 4 with the evals of steps 0, 2 and 4 running, none finished before the
+    kill: one warning names step 2 (its weights are gone); R0 (from the start model) and step 4's
+    (from the restored weights) are submitted again, at compute 0 and at the checkpoint's."""
+    state = resumable(tmp_path, monkeypatch, [], [0, 2, 4], [], [])
+    assert state["history"] == []
+    out = capsys.readouterr().out
+    assert out == (
+        "warning: the eval(s) of step(s) [2] were still running at the checkpoint of step 4 and "
+        "never finished: lost (their weights are gone)\n"
+    )
+    engine = HeldEvals([], hold=0)
+    log = run_log(tmp_path, engine, state, resume=str(tmp_path))
+    log.submit_start_evals(4, str(tmp_path), "start_dir")
+    assert engine.submitted == [(0, str(tmp_path), 0.0), (4, "start_dir", 1.0)]
+
+
 def test_non_finite_log_prob_stops_before_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny.random_model(str(tmp_path / "model"), seed=4)
     batch = fixed_batch(model_dir)
@@ -1217,12 +1366,15 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
     assert [m["step"] for m in steps] == list(
         range(1, 7)
     )  # continuous: nothing lost, nothing twice
-    # every eval once: one logged after the checkpoint was dropped and ran again from it
+    # every eval once: one still running at the checkpoint and logged after it stayed (issue 25),
+    # one cut off by the kill ran again from its weights; the history holds each line's point
     assert sorted(m["step"] for m in evals) == [0, 2, 4, 6]
-    hours = [m["gpu_hours"] for m in steps]
-    assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     with open(state_path) as f:
         final = json.load(f)
+    points = sorted(map(checkpoint.eval_point, evals), key=lambda h: (h["gpu_hours"], h["step"]))
+    assert final["history"] == points and final["pending_evals"] == []
+    hours = [m["gpu_hours"] for m in steps]
+    assert all(b > a for a, b in zip(hours, hours[1:], strict=False))  # the compute clock continues
     retired_after = set(final["pool"]["retired"])
     assert (
         retired_before and retired_before <= retired_after
