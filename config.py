@@ -246,7 +246,7 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        save_every=0,  # a checkpoint waits for the queued evals: minutes on the compute clock
+        save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
     ),
     "smollm2-135m": dict(
         path=None,
