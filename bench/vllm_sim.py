@@ -82,6 +82,7 @@ import math
 import random
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -255,6 +256,7 @@ class RequestRecord:
     prefill_tokens: int  # tokens it had computed as prefill (recomputation included)
     preemptions: int
     state: str  # FINISHED or ABORTED
+    thinking: bool = False  # a thinking phase (its stop_token_ids hold `</think>`), else an answer
 
 
 # vLLM's output classes, as generate.py reads them (vllm/outputs.py, vllm/logprobs.py)
@@ -387,7 +389,8 @@ class Request:
     __slots__ = tuple(
         "request_id prompt lp n_out stop priority salt arrival seq _keys _pre _fill _post "
         "_prompt_fill state engine num_out num_tokens computed nblocks reg_end prefill_end segs "
-        "spans first_scheduled first_hit prefilled preemptions finished_at future logprobs".split()
+        "spans first_scheduled first_hit prefilled preemptions finished_at future logprobs "
+        "thinking".split()
     )
 
     def __init__(
@@ -435,6 +438,7 @@ class Request:
         self.finished_at = None
         self.future = None
         self.logprobs = True
+        self.thinking = False  # a thinking phase (SimEngine sets it): for RequestRecord
 
     def output_ids(self) -> list[int]:
         return self._out(0, self.n_out)
@@ -1287,6 +1291,33 @@ class _Clock:
         self._wall = time.monotonic()
 
 
+class _IdleClock(_Clock):
+    """`_Clock` less the CPU time of the thread that drives the simulator (bound at the first `set`,
+    which the driver makes in its loop's thread): clients computing in that loop cost no simulated
+    time, as in virtual time, while simulated time still runs against the wall clock when the loop
+    waits (`SimEngine(clock="idle")`, for benches whose clients do much work per request)."""
+
+    def __init__(self, time_scale: float | None):
+        super().__init__(time_scale)
+        self._cpu_clock = None
+        self._cpu = 0.0
+
+    def _cpu_now(self) -> float:
+        return 0.0 if self._cpu_clock is None else time.clock_gettime(self._cpu_clock)
+
+    def now(self) -> float:
+        if self.scale is None:
+            return self._t
+        idle = (time.monotonic() - self._wall) - (self._cpu_now() - self._cpu)
+        return self._t + max(0.0, idle) * self.scale
+
+    def set(self, t: float) -> None:
+        if self._cpu_clock is None:
+            self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        super().set(t)
+        self._cpu = self._cpu_now()
+
+
 class SimEngine:
     """The `AsyncLLM` stand-in: `dp` EngineCores behind vLLM 0.32's DP load balancer, on a
     simulated clock (module docstring). Build it in the asyncio loop's thread; its coroutines run in
@@ -1294,8 +1325,9 @@ class SimEngine:
     policy="priority", gpu=H200, ...); max_model_len; lengths (`LengthModel`); seed (length draws
     and output letters, per request id); time_scale (simulated seconds per wall second; None:
     virtual time); reload_bytes_per_s; settle (virtual time: loop turns the clients get to react
-    before the clock jumps). Raises ValueError if one max_model_len sequence does not fit the KV
-    cache (vLLM refuses to start then)."""
+    before the clock jumps); clock ("wall": a client's reaction costs its wall time x time_scale;
+    "idle": `_IdleClock`, it costs nothing). Raises ValueError if one max_model_len sequence does
+    not fit the KV cache (vLLM refuses to start then)."""
 
     def __init__(
         self,
@@ -1308,6 +1340,7 @@ class SimEngine:
         time_scale: float | None = 1000.0,
         reload_bytes_per_s: float = RELOAD_BYTES_PER_S,
         settle: int = 2,
+        clock: str = "wall",
         **engine,
     ):
         config = dataclasses.replace(config, **engine)
@@ -1324,7 +1357,9 @@ class SimEngine:
         self.seed = seed
         self.settle = settle
         self.reload_bytes_per_s = reload_bytes_per_s
-        self.clock = _Clock(time_scale)
+        if clock not in ("wall", "idle"):
+            raise ValueError(f"clock must be 'wall' or 'idle', got {clock!r}")
+        self.clock = _IdleClock(time_scale) if clock == "idle" else _Clock(time_scale)
         self.tokenizer = Tokenizer()
         self.model_config = SimpleNamespace(max_model_len=max_model_len, model=config.model.name)
         self.vllm_config = SimpleNamespace(
@@ -1456,6 +1491,7 @@ class SimEngine:
             request_id, ids, n, stop=stop, priority=priority, salt=salt, seed=self.seed, keys=keys
         )
         r.logprobs = getattr(params, "logprobs", None) is not None
+        r.thinking = thinking
         return r
 
     def _ensure_driver(self) -> asyncio.AbstractEventLoop:
@@ -1609,6 +1645,7 @@ class SimEngine:
                 r.prefilled,
                 r.preemptions,
                 r.state,
+                thinking=r.thinking,
             )
         )
 
