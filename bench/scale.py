@@ -86,7 +86,7 @@ SPLITS = ((4, 3, 1), (3, 4, 1), (2, 5, 1))  # trainer / generator / eval GPUs
 # simulated seconds per wall second: a two-eval qwen3-8b run (~2 simulated days on H100) in about
 # a minute, while the eval's no-progress check (every min(gen_timeout, 5) wall s) stays well under
 # the hours a first group takes under fcfs
-TIME_SCALE = 3000.0
+TIME_SCALE = 300.0
 PROMPT_LEN = (150, 400)  # tokens of a synthetic templated prompt (assumption)
 # Qwen/Qwen3-8B config.json (the sizes placement.Shape reads)
 QWEN3_8B_CONFIG = SimpleNamespace(
@@ -321,6 +321,7 @@ class SimTrainer:
         self.pool = filters.PromptPool(
             n_train, threshold=args.npr_threshold, policy=args.prompt_sampling, seed=seed
         )
+        self.loop = None  # the engines' event loop, once started
         self.export_s = vllm_sim.QWEN3_8B.weight_bytes / vllm_sim.RELOAD_BYTES_PER_S
 
     def sampler_kwargs(self, sim) -> dict:
@@ -336,7 +337,14 @@ class SimTrainer:
         )
 
     def now(self) -> float:
-        return self.tsim.now()
+        """The training engine's simulated time, read in its loop (its clock is set there)."""
+        if self.loop is None:
+            return self.tsim.now()
+
+        async def read() -> float:
+            return self.tsim.now()
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(self.safety_s)
 
     def sleep(self, loop, seconds: float) -> None:
         """Wait `seconds` of the training engine's simulated time (the trainer's GPU work)."""
@@ -356,6 +364,7 @@ class SimTrainer:
         # both samplers in one loop (borrowed, as the tests' shared engine): the simulators' idle
         # clocks then both exclude the same thread's CPU time and stay in step
         thread = engine.SamplerThread("sim-engines")
+        self.loop = thread.loop
         wall0 = time.monotonic()
         sim0 = 0.0
         esim0 = 0.0
@@ -436,6 +445,7 @@ class SimTrainer:
             for closer in (pipe, eval_engine):
                 if closer is not None:
                     closer.close()
+            self.loop = None
             for sim in (self.tsim, self.esim):
                 sim.shutdown()
             thread.close(pipeline.CLOSE_TIMEOUT)
