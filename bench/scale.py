@@ -446,8 +446,14 @@ class SimTrainer:
                 if closer is not None:
                     closer.close()
             self.loop = None
-            for sim in (self.tsim, self.esim):
-                sim.shutdown()
+
+            async def shutdown() -> None:  # in the loop: the drivers' cancellations run there
+                for sim in (self.tsim, self.esim):
+                    sim.shutdown()
+                for _ in range(3):
+                    await asyncio.sleep(0)
+
+            thread.try_run(shutdown(), pipeline.CLOSE_TIMEOUT)
             thread.close(pipeline.CLOSE_TIMEOUT)
             dirs.close()
             shutil.rmtree(tmp, ignore_errors=True)
