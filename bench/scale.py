@@ -56,10 +56,12 @@ import dataclasses
 import math
 import os
 import random
+import selectors
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -102,6 +104,29 @@ QWEN3_8B_CONFIG = SimpleNamespace(
 )
 SHAPE = placement.Shape.from_config(QWEN3_8B_CONFIG)
 DUMMY_WEIGHTS = "model.safetensors"  # what Sampler.update_weights looks for; never read
+
+
+class IdleSelector(selectors.DefaultSelector):
+    """The default selector, timing its waits: `idle()` is the seconds its event loop has spent
+    waiting for I/O or a timer (with nothing to run), the only time the simulators' clocks run."""
+
+    def __init__(self):
+        super().__init__()
+        self._idle = 0.0
+        self._since = None  # start of the wait in progress
+
+    def select(self, timeout=None):
+        self._since = time.monotonic()
+        try:
+            return super().select(timeout)
+        finally:
+            self._idle += time.monotonic() - self._since
+            self._since = None
+
+    def idle(self) -> float:
+        since = self._since
+        extra = 0.0 if since is None else time.monotonic() - since
+        return self._idle + extra
 
 
 class FastTokenizer(vllm_sim.Tokenizer):
@@ -309,7 +334,9 @@ class SimTrainer:
         self.out = out
         self.P = config.groups_per_step(args)
         max_len = args.max_model_len
-        kw = dict(max_model_len=max_len, time_scale=time_scale, clock="idle")
+        self.selector = IdleSelector()
+        self.loop = None  # the engines' event loop, once started
+        kw = dict(max_model_len=max_len, time_scale=time_scale, clock=self.selector.idle)
         self.tsim = vllm_sim.SimEngine(dp=lay.plan.dp, config=lay.gen, seed=seed, **kw)
         self.esim = vllm_sim.SimEngine(dp=lay.plan.eval.dp, config=lay.eval, seed=seed + 1, **kw)
         for sim in (self.tsim, self.esim):
@@ -321,7 +348,6 @@ class SimTrainer:
         self.pool = filters.PromptPool(
             n_train, threshold=args.npr_threshold, policy=args.prompt_sampling, seed=seed
         )
-        self.loop = None  # the engines' event loop, once started
         self.export_s = vllm_sim.QWEN3_8B.weight_bytes / vllm_sim.RELOAD_BYTES_PER_S
 
     def sampler_kwargs(self, sim) -> dict:
@@ -361,10 +387,12 @@ class SimTrainer:
         open(os.path.join(start_dir, DUMMY_WEIGHTS), "w").close()
         dirs = WeightDirs(tmp)
         pipe = eval_engine = None
-        # both samplers in one loop (borrowed, as the tests' shared engine): the simulators' idle
-        # clocks then both exclude the same thread's CPU time and stay in step
-        thread = engine.SamplerThread("sim-engines")
-        self.loop = thread.loop
+        # both samplers in one loop of ours (borrowed, as the tests' shared engine), whose waits
+        # are the simulators' time: both clocks stay in step, and no client's work is simulated time
+        self.loop = asyncio.SelectorEventLoop(self.selector)
+        worker = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
+        worker.start()
+        thread = engine.SamplerThread("sim-engines", None, self.loop)
         wall0 = time.monotonic()
         sim0 = 0.0
         esim0 = 0.0
@@ -454,7 +482,10 @@ class SimTrainer:
                     await asyncio.sleep(0)
 
             thread.try_run(shutdown(), pipeline.CLOSE_TIMEOUT)
-            thread.close(pipeline.CLOSE_TIMEOUT)
+            loop = thread.loop
+            loop.call_soon_threadsafe(loop.stop)
+            worker.join(pipeline.CLOSE_TIMEOUT)
+            loop.close()
             dirs.close()
             shutil.rmtree(tmp, ignore_errors=True)
         return rep

@@ -82,7 +82,6 @@ import math
 import random
 import re
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -1292,30 +1291,24 @@ class _Clock:
 
 
 class _IdleClock(_Clock):
-    """`_Clock` less the CPU time of the thread that drives the simulator (bound at the first `set`,
-    which the driver makes in its loop's thread): clients computing in that loop cost no simulated
-    time, as in virtual time, while simulated time still runs against the wall clock when the loop
-    waits (`SimEngine(clock="idle")`, for benches whose clients do much work per request)."""
+    """Simulated time that runs only while the driving event loop waits with nothing to do:
+    `idle()` gives the seconds that loop has spent waiting so far (a selector that times its
+    select calls, bench/scale.py's); x time_scale is simulated time. Clients computing, in that loop
+    or anywhere that keeps it from waiting, cost no simulated time, as in virtual time, while the
+    clock still runs against the wall clock when they are done (`SimEngine(clock=idle)`). A timer
+    that fires before enough idle time has passed does not move the clock past it (`set`)."""
 
-    def __init__(self, time_scale: float | None):
+    def __init__(self, time_scale: float, idle):
         super().__init__(time_scale)
-        self._cpu_clock = None
-        self._cpu = 0.0
-
-    def _cpu_now(self) -> float:
-        return 0.0 if self._cpu_clock is None else time.clock_gettime(self._cpu_clock)
+        self.idle = idle
+        self._idle0 = idle()
 
     def now(self) -> float:
-        if self.scale is None:
-            return self._t
-        idle = (time.monotonic() - self._wall) - (self._cpu_now() - self._cpu)
-        return self._t + max(0.0, idle) * self.scale
+        return self._t + (self.idle() - self._idle0) * self.scale
 
     def set(self, t: float) -> None:
-        if self._cpu_clock is None:
-            self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
-        super().set(t)
-        self._cpu = self._cpu_now()
+        self._t = min(t, self.now())
+        self._idle0 = self.idle()
 
 
 class SimEngine:
@@ -1326,7 +1319,8 @@ class SimEngine:
     and output letters, per request id); time_scale (simulated seconds per wall second; None:
     virtual time); reload_bytes_per_s; settle (virtual time: loop turns the clients get to react
     before the clock jumps); clock ("wall": a client's reaction costs its wall time x time_scale;
-    "idle": `_IdleClock`, it costs nothing). Raises ValueError if one max_model_len sequence does
+    or `idle`, a callable giving the seconds the driving loop has waited: `_IdleClock`, it costs
+    nothing). Raises ValueError if one max_model_len sequence does
     not fit the KV cache (vLLM refuses to start then)."""
 
     def __init__(
@@ -1340,7 +1334,7 @@ class SimEngine:
         time_scale: float | None = 1000.0,
         reload_bytes_per_s: float = RELOAD_BYTES_PER_S,
         settle: int = 2,
-        clock: str = "wall",
+        clock="wall",
         **engine,
     ):
         config = dataclasses.replace(config, **engine)
@@ -1357,9 +1351,9 @@ class SimEngine:
         self.seed = seed
         self.settle = settle
         self.reload_bytes_per_s = reload_bytes_per_s
-        if clock not in ("wall", "idle"):
-            raise ValueError(f"clock must be 'wall' or 'idle', got {clock!r}")
-        self.clock = _IdleClock(time_scale) if clock == "idle" else _Clock(time_scale)
+        if clock != "wall" and (not callable(clock) or time_scale is None):
+            raise ValueError(f"clock must be 'wall' or a callable with a time_scale, got {clock!r}")
+        self.clock = _Clock(time_scale) if clock == "wall" else _IdleClock(time_scale, clock)
         self.tokenizer = Tokenizer()
         self.model_config = SimpleNamespace(max_model_len=max_model_len, model=config.model.name)
         self.vllm_config = SimpleNamespace(
