@@ -30,12 +30,15 @@ The behaviour log-probs come from vLLM (no separate old-policy forward). Then th
 written for the sampler (weights bytes at vllm_sim.RELOAD_BYTES_PER_S, an assumption) and published
 from disk; the engine's reload costs its simulated load time.
 
-Time: each SimEngine runs `--time-scale` simulated seconds per wall second, and every timeout the
-project's code keeps on the wall clock (the Pipeline's and the EvalEngine's gen_timeout) is given
-divided by it. The trainer waits its step on the training engine's simulated clock. Each line is
-simulated time, except "wall" and the clock fidelity: simulated seconds per (wall seconds x scale)
-of each engine (vllm_sim departure 7: the simulator's own computing is not simulated time, so below
-1 the engines run slower than the project's timers; near 1 the timeouts are what they would be).
+Time: both samplers run in one event loop of the bench's, and the simulators' clocks run
+`--time-scale` simulated seconds per wall second only while that loop waits with nothing to do
+(`IdleSelector`; vllm_sim's idle clock): the clients' own CPU time (the sampler turns every rollout
+into tensors and text) costs no simulated time. The project's timeouts stay on the wall clock, so
+they are given divided by the scale (the Pipeline's and the EvalEngine's gen_timeout); where the
+loop is busy they fire early in simulated terms (the "fidelity" column: simulated seconds per wall
+second x scale; 1 = the timeouts are exact, below 1 they are that much tighter). The trainer waits
+its step on the training engine's simulated clock. Every number printed is simulated time except
+"wall" and the fidelity.
 
 Where this departs from a GPU run, and why:
 1. Weights go through disk (Pipeline.publish) on every split, where train.py picks NCCL for
@@ -85,9 +88,8 @@ from tasks import data, math_reward  # noqa: E402
 MFU = 0.40
 N_GPUS = 8
 SPLITS = ((4, 3, 1), (3, 4, 1), (2, 5, 1))  # trainer / generator / eval GPUs
-# simulated seconds per wall second: a two-eval qwen3-8b run (~2 simulated days on H100) in about
-# a minute, while the eval's no-progress check (every min(gen_timeout, 5) wall s) stays well under
-# the hours a first group takes under fcfs
+# simulated seconds per wall second: gen_timeout (5.5-12 h) becomes 1-2 wall minutes, long beside
+# the CPU time a group's rollouts cost the sampler on a loaded 2-core machine (~seconds)
 TIME_SCALE = 300.0
 PROMPT_LEN = (150, 400)  # tokens of a synthetic templated prompt (assumption)
 # Qwen/Qwen3-8B config.json (the sizes placement.Shape reads)
