@@ -668,7 +668,11 @@ def main(argv=None) -> list[RunReport]:
     for name in gpus:
         gpu = vllm_sim.GPUS[name]
         for split in splits:
-            lay = layout(args, split, gpu)
+            try:
+                lay = layout(args, split, gpu)
+            except ValueError as e:  # the split does not fit: what train.py would refuse
+                print(f"simulated 8 x {gpu.name}, split {split}: not run: {e}\n", flush=True)
+                continue
             print(describe(lay, a.time_scale), flush=True)
             print(HEADER, flush=True)
             sim = SimTrainer(
