@@ -255,6 +255,7 @@ class RequestRecord:
     prefill_tokens: int  # tokens it had computed as prefill (recomputation included)
     preemptions: int
     state: str  # FINISHED or ABORTED
+    thinking: bool = False  # a thinking phase (its stop_token_ids hold `</think>`), else an answer
 
 
 # vLLM's output classes, as generate.py reads them (vllm/outputs.py, vllm/logprobs.py)
@@ -387,7 +388,8 @@ class Request:
     __slots__ = tuple(
         "request_id prompt lp n_out stop priority salt arrival seq _keys _pre _fill _post "
         "_prompt_fill state engine num_out num_tokens computed nblocks reg_end prefill_end segs "
-        "spans first_scheduled first_hit prefilled preemptions finished_at future logprobs".split()
+        "spans first_scheduled first_hit prefilled preemptions finished_at future logprobs "
+        "thinking".split()
     )
 
     def __init__(
@@ -435,6 +437,7 @@ class Request:
         self.finished_at = None
         self.future = None
         self.logprobs = True
+        self.thinking = False  # a thinking phase (SimEngine sets it): for RequestRecord
 
     def output_ids(self) -> list[int]:
         return self._out(0, self.n_out)
@@ -1287,6 +1290,27 @@ class _Clock:
         self._wall = time.monotonic()
 
 
+class _IdleClock(_Clock):
+    """Simulated time that runs only while the driving event loop waits with nothing to do:
+    `idle()` gives the seconds that loop has spent waiting so far (a selector that times its
+    select calls, bench/scale.py's); x time_scale is simulated time. Clients computing, in that loop
+    or anywhere that keeps it from waiting, cost no simulated time, as in virtual time, while the
+    clock still runs against the wall clock when they are done (`SimEngine(clock=idle)`). A timer
+    that fires before enough idle time has passed does not move the clock past it (`set`)."""
+
+    def __init__(self, time_scale: float, idle):
+        super().__init__(time_scale)
+        self.idle = idle
+        self._idle0 = idle()
+
+    def now(self) -> float:
+        return self._t + (self.idle() - self._idle0) * self.scale
+
+    def set(self, t: float) -> None:
+        self._t = min(t, self.now())
+        self._idle0 = self.idle()
+
+
 class SimEngine:
     """The `AsyncLLM` stand-in: `dp` EngineCores behind vLLM 0.32's DP load balancer, on a
     simulated clock (module docstring). Build it in the asyncio loop's thread; its coroutines run in
@@ -1294,8 +1318,10 @@ class SimEngine:
     policy="priority", gpu=H200, ...); max_model_len; lengths (`LengthModel`); seed (length draws
     and output letters, per request id); time_scale (simulated seconds per wall second; None:
     virtual time); reload_bytes_per_s; settle (virtual time: loop turns the clients get to react
-    before the clock jumps). Raises ValueError if one max_model_len sequence does not fit the KV
-    cache (vLLM refuses to start then)."""
+    before the clock jumps); clock ("wall": a client's reaction costs its wall time x time_scale;
+    or `idle`, a callable giving the seconds the driving loop has waited: `_IdleClock`, it costs
+    nothing). Raises ValueError if one max_model_len sequence does
+    not fit the KV cache (vLLM refuses to start then)."""
 
     def __init__(
         self,
@@ -1308,6 +1334,7 @@ class SimEngine:
         time_scale: float | None = 1000.0,
         reload_bytes_per_s: float = RELOAD_BYTES_PER_S,
         settle: int = 2,
+        clock="wall",
         **engine,
     ):
         config = dataclasses.replace(config, **engine)
@@ -1324,7 +1351,9 @@ class SimEngine:
         self.seed = seed
         self.settle = settle
         self.reload_bytes_per_s = reload_bytes_per_s
-        self.clock = _Clock(time_scale)
+        if clock != "wall" and (not callable(clock) or time_scale is None):
+            raise ValueError(f"clock must be 'wall' or a callable with a time_scale, got {clock!r}")
+        self.clock = _Clock(time_scale) if clock == "wall" else _IdleClock(time_scale, clock)
         self.tokenizer = Tokenizer()
         self.model_config = SimpleNamespace(max_model_len=max_model_len, model=config.model.name)
         self.vllm_config = SimpleNamespace(
@@ -1457,6 +1486,7 @@ class SimEngine:
             request_id, ids, n, stop=stop, priority=priority, salt=salt, seed=self.seed, keys=keys
         )
         r.logprobs = getattr(params, "logprobs", None) is not None
+        r.thinking = thinking
         return r
 
     def _ensure_driver(self) -> asyncio.AbstractEventLoop:
@@ -1610,6 +1640,7 @@ class SimEngine:
                 r.prefilled,
                 r.preemptions,
                 r.state,
+                thinking=r.thinking,
             )
         )
 
