@@ -33,12 +33,12 @@ from disk; the engine's reload costs its simulated load time.
 Time: both samplers run in one event loop of the bench's, and the simulators' clocks run
 `--time-scale` simulated seconds per wall second only while that loop waits with nothing to do
 (`IdleSelector`; vllm_sim's idle clock): the clients' own CPU time (the sampler turns every rollout
-into tensors and text) costs no simulated time. The project's timeouts stay on the wall clock, so
-they are given divided by the scale (the Pipeline's and the EvalEngine's gen_timeout); where the
-loop is busy they fire early in simulated terms (the "fidelity" column: simulated seconds per wall
-second x scale; 1 = the timeouts are exact, below 1 they are that much tighter). The trainer waits
-its step on the training engine's simulated clock. Every number printed is simulated time except
-"wall" and the fidelity.
+into tensors and text) costs no simulated time. That loop's own clock is the same idle clock
+(`IdleLoop`), and the project's timeouts in it (the Pipeline's per-group asyncio.timeout, the
+EvalEngine's no-progress timer and its eval_s) read the loop's clock: given divided by the scale,
+they are exact in simulated time. The trainer waits its step on the training engine's simulated
+clock. Every number printed is simulated time except "wall" and "fidelity" (simulated seconds per
+wall second x scale: the share of the wall time the loop waited; the rest was the clients' CPU).
 
 Where this departs from a GPU run, and why:
 1. Weights go through disk (Pipeline.publish) on every split, where train.py picks NCCL for
@@ -129,6 +129,20 @@ class IdleSelector(selectors.DefaultSelector):
         since = self._since
         extra = 0.0 if since is None else time.monotonic() - since
         return self._idle + extra
+
+
+class IdleLoop(asyncio.SelectorEventLoop):
+    """An event loop on an IdleSelector whose clock (`time()`, what asyncio's timers,
+    `asyncio.timeout` and `asyncio.wait(timeout=...)` read) is that selector's idle seconds: the
+    project's timeouts, given divided by the time scale, then run on the simulators' time, exact
+    whatever CPU time the clients take."""
+
+    def __init__(self, selector: IdleSelector):
+        super().__init__(selector)
+        self.idle = selector.idle
+
+    def time(self) -> float:
+        return self.idle()
 
 
 class FastTokenizer(vllm_sim.Tokenizer):
@@ -391,7 +405,7 @@ class SimTrainer:
         pipe = eval_engine = None
         # both samplers in one loop of ours (borrowed, as the tests' shared engine), whose waits
         # are the simulators' time: both clocks stay in step, and no client's work is simulated time
-        self.loop = asyncio.SelectorEventLoop(self.selector)
+        self.loop = IdleLoop(self.selector)
         worker = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         worker.start()
         thread = engine.SamplerThread("sim-engines", None, self.loop)
@@ -505,9 +519,10 @@ class SimTrainer:
         )
 
     def collect(self, eval_engine) -> list[tuple[int, float, float]]:
-        """The evals finished since the last call: (version, queued_s, eval_s), simulated as the
-        EvalEngine's own wall seconds x time scale. Raises a failed eval's error (RunLog.log_evals:
-        the run stops)."""
+        """The evals finished since the last call: (version, queued_s, eval_s). eval_s is
+        simulated (the EvalEngine times an eval on its loop's clock, IdleLoop's); queued_s is its
+        wall seconds x time scale, an approximation (the trainer's clock). Raises a failed eval's
+        error (RunLog.log_evals: the run stops)."""
         return [(r.version, r.queued_s * self.K, r.eval_s * self.K) for r in eval_engine.results()]
 
     def step(self, pipe, eval_engine, step, steps, eval_every, sim0) -> StepRow:

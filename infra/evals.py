@@ -360,6 +360,9 @@ class EvalEngine:
         await self._load_weights(job)
         loaded = sampler.version
         t0 = time.perf_counter()
+        # eval_s on the loop's clock, as the eval's timeouts (bench/scale.py's is simulated)
+        clock = asyncio.get_running_loop().time
+        started = clock()
         requests = [(p, job.n, job.temperature) for p in job.prompts]
         if job.greedy:  # one greedy sample per prompt, after the sampled ones
             requests += [(p, 1, 0.0) for p in job.prompts]
@@ -381,7 +384,7 @@ class EvalEngine:
         records, greedy = eval_records(job.prompts, job.version, groups, scored)
         metrics = {**eval_metrics(records, greedy), "eval/version": job.version}
         queued_s = t0 - job.submitted
-        eval_s = time.perf_counter() - t0
+        eval_s = clock() - started
         return EvalResult(job.version, job.tag, metrics, records, queued_s, eval_s)
 
     async def _load_weights(self, job: EvalJob) -> None:
@@ -423,7 +426,9 @@ class EvalEngine:
         # stand-ins serve a group as one request and count none: their groups count
         progress = lambda: (start - len(running), getattr(sampler, "finished_requests", 0))
         seen = progress()
-        last = time.perf_counter()
+        # the loop's clock, which asyncio.wait's timeout reads too (a simulated loop's is simulated)
+        clock = asyncio.get_running_loop().time
+        last = clock()
         try:
             while start < len(requests) or running:
                 while start < len(requests) and (
@@ -445,7 +450,7 @@ class EvalEngine:
                     i, n = running.pop(task)
                     groups[i] = task.result()  # a group's error ends the eval
                     rollouts -= n
-                now = time.perf_counter()
+                now = clock()
                 if progress() != seen:
                     seen = progress()
                     last = now
