@@ -44,6 +44,7 @@ import os
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import SamplingParams, TokensPrompt
 
@@ -403,9 +404,11 @@ class Sampler:
         return Completion(
             prompt_ids=prompt_ids,
             completion_ids=tokens.ids,
-            logp=torch.tensor(tokens.logp, dtype=torch.float32),
-            mask=torch.tensor(tokens.mask),
-            versions=torch.tensor(tokens.versions, dtype=torch.int64),
+            # through numpy: torch.tensor(list) checks each element, ~5x slower at 12k tokens,
+            # on the loop that serves every rollout
+            logp=torch.from_numpy(np.array(tokens.logp, dtype=np.float32)),
+            mask=torch.from_numpy(np.array(tokens.mask, dtype=bool)),
+            versions=torch.from_numpy(np.array(tokens.versions, dtype=np.int64)),
             finish_reason=reason,
             interrupted=interrupted,
             # always the answer phase (or the only phase) here
