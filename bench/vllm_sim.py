@@ -1295,8 +1295,12 @@ class _IdleClock(_Clock):
     `idle()` gives the seconds that loop has spent waiting so far (a selector that times its
     select calls, bench/scale.py's); x time_scale is simulated time. Clients computing, in that loop
     or anywhere that keeps it from waiting, cost no simulated time, as in virtual time, while the
-    clock still runs against the wall clock when they are done (`SimEngine(clock=idle)`). A timer
-    that fires before enough idle time has passed does not move the clock past it (`set`)."""
+    clock still runs against the wall clock when they are done (`SimEngine(clock=idle)`). It is
+    the driving loop's own clock too (bench/scale.py's IdleLoop: the project's timeouts run on it),
+    so `set` never drops idle time: a timer that fires late (its loop thread waited for the GIL
+    after its select returned) delivers its event late, as a busy client would see it, and the
+    simulator's time and the timeouts stay one clock; one that fires early moves the clock to its
+    time (within the clock's resolution)."""
 
     def __init__(self, time_scale: float, idle):
         super().__init__(time_scale)
@@ -1307,7 +1311,7 @@ class _IdleClock(_Clock):
         return self._t + (self.idle() - self._idle0) * self.scale
 
     def set(self, t: float) -> None:
-        self._t = min(t, self.now())
+        self._t = max(t, self.now())
         self._idle0 = self.idle()
 
 

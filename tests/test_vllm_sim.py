@@ -464,3 +464,18 @@ def test_an_eval_sized_two_phase_workload_queues_answers_behind_every_thinking_p
     # least 16.4e9 / 3.35e12 s + 1.5 ms
     assert res.first_answer_done_s > 2811 * 2560 / 22 * (16.4e9 / 3.35e12 + 1.5e-3)
     print(f"first answer phase done at {res.first_answer_done_s / 3600:.2f} simulated hours")
+
+
+def test_the_idle_clock_keeps_every_idle_second_a_late_timer_had():
+    """The idle clock is bench/scale.py's event-loop clock too, where the project's timeouts run: a
+    timer set for t that fires after more idle time keeps it (simulated time = idle x scale, the
+    loop's time x scale), and one that fires early moves the clock to t."""
+    idle = [10.0]
+    clock = vs._IdleClock(100.0, lambda: idle[0])
+    idle[0] += 2.0  # 2 idle seconds: 200 simulated
+    clock.set(150.0)  # the timer was for t = 150: 50 simulated s late
+    assert clock.now() == 200.0
+    idle[0] += 0.5
+    assert clock.now() == 250.0
+    clock.set(260.0)  # early by 10 simulated seconds
+    assert clock.now() == 260.0
