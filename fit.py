@@ -67,14 +67,21 @@ class SigmoidFit:
         return sigmoid(C, self.A, self.B, self.C_mid, self.R0)
 
 
-def _validate(C, R, R0, c_min):
-    """The checks every fit needs; drops C < c_min (A.5 step 1). Returns float64 (C, R) to fit."""
+def _finite(C, R, R0):
+    """float64 (C, R), 1-D and equally long, all finite with R0: the rule for every point given,
+    fitted or held out (extrapolate). Raises ValueError naming the indices of NaN or inf."""
     C, R = np.asarray(C, dtype=np.float64), np.asarray(R, dtype=np.float64)
     if C.ndim != 1 or C.shape != R.shape:
         raise ValueError(f"C and R must be 1-D and equally long, got {C.shape} and {R.shape}")
     if not (np.isfinite(C).all() and np.isfinite(R).all() and math.isfinite(R0)):
         bad = np.flatnonzero(~np.isfinite(C + R)).tolist()
         raise ValueError(f"NaN or inf in C, R or R0 (indices {bad})")
+    return C, R
+
+
+def _validate(C, R, R0, c_min):
+    """The checks every fit needs; drops C < c_min (A.5 step 1). Returns float64 (C, R) to fit."""
+    C, R = _finite(C, R, R0)
     if np.any(C < 0):
         raise ValueError(f"negative compute at indices {np.flatnonzero(C < 0).tolist()}")
     C, R = C[C >= c_min], R[C >= c_min]
@@ -374,9 +381,9 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
 def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Method = "fast"):
     """§5's protocol (fit on half the target budget, extrapolate to the target): fit on C <=
     fit_until (1-D C, R), predict the points beyond. Returns (SigmoidFit, mean absolute error on
-    the held-out points, their count). Raises ValueError if no point lies beyond fit_until, and as
-    fit_sigmoid."""
-    C, R = np.asarray(C, dtype=np.float64), np.asarray(R, dtype=np.float64)
+    the held-out points, their count). Raises ValueError on NaN or inf in any point, held out or
+    not (a NaN error is never returned), if no point lies beyond fit_until, and as fit_sigmoid."""
+    C, R = _finite(C, R, R0)
     tail = C > fit_until
     if not tail.any():
         raise ValueError(f"nothing to extrapolate to: no C beyond fit_until={fit_until:g}")

@@ -20,6 +20,10 @@ Where this departs from the paper, and why:
    prompt-level normalization are the caller's choices of eps_high, agg and norm (A.2, Eqs. 7-8).
 4. P and S in the aggregation weights count only groups / samples with a valid token (the paper's
    batch-level 1/P is inferred from its prose, and an empty completion has no 1/|y| term).
+5. GSPO takes sample aggregation only. GSPO's objective (A.17.3) averages one clipped term per
+   sequence; policy_loss weighs a sequence by the sum of its token weights, which is that 1/S under
+   --agg sample but the sequence's length share under prompt or token aggregation, so
+   config.validate refuses --loss gspo with another --agg.
 """
 
 import torch
@@ -323,7 +327,8 @@ def policy_loss(
     a token is valid where weight > 0; padding may hold any value, NaN included, in logp, old_logp).
     Per-token term: cispo sg(min(rho, cispo_cap)) * A * logp, no lower bound; dapo / grpo
     min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A); gspo the same clip (gspo eps) of one
-    ratio per sequence, exp(mean log rho over its valid tokens), weighted by its summed weights.
+    ratio per sequence, exp(mean log rho over its valid tokens), weighted by its summed weights
+    (1/S with sample aggregation weights: GSPO's mean over sequences, departure 5).
     Returns loss = -sum(weights * term), 0-dim in logp's dtype, and metrics (rho_stats): n_tokens,
     clipped, rho_sum, rho_min, rho_max. Raises ValueError / TypeError on an unknown loss_type, bad
     shapes, non-float weights, or an old_logp that requires grad or shares memory with logp: checks
@@ -358,7 +363,8 @@ def policy_loss(
     elif loss_type == "gspo":
         s = (log_rho.sum(1) / valid.sum(1).clamp_min(1)).exp()  # (S,) length-normalized ratio
         term, seq_clipped = clipped_surrogate(s, A[:, 0], 1 - gspo_eps_low, 1 + gspo_eps_high)
-        loss = -(weights.sum(1) * term).sum()  # a sequence weighs the sum of its token weights
+        # a sequence weighs the sum of its token weights: 1/S under sample aggregation (departure 5)
+        loss = -(weights.sum(1) * term).sum()
         clipped = seq_clipped[:, None].expand_as(valid)  # (S, T)
     else:  # dapo / grpo: Eq. 8 (Eq. 7 with eps_low = eps_high)
         term, clipped = clipped_surrogate(rho, A, 1 - eps_low, 1 + eps_high)  # (S, T)

@@ -608,7 +608,10 @@ def main(args: Args) -> None:
         done = step == args.steps and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if master and done:
-            print(fit_report.summary(run_dir, records.final_fit(run_dir, log.history)), flush=True)
+            print(
+                fit_report.summary(run_dir, records.final_fit(run_dir, log.history, args.fit_from)),
+                flush=True,
+            )
         if step == args.steps:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained

@@ -1,11 +1,12 @@
 """fit.py's command line and Figure 1: train.py's metrics.jsonl files in, a table and a plot out.
 
-`python fit.py runs/a/metrics.jsonl runs/b --c-min 1500 --fit-until 8000`: fit.py stays the command
-and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted with fit.py
-(R0 = its step-0 eval), bootstrapped, compared by the §4 rule when there are several, and drawn.
-Kept apart from fit.py, which is pure (arrays in, numbers out): this file reads files,
-prints and draws. records.final_fit fits the whole run with `whole_run_fit` and draws fit.png with
-`plot`; train.py ends a run by printing `summary`, its fits in words.
+`python fit.py runs/a/metrics.jsonl runs/b --fit-from 1500 --fit-until 8000`: fit.py stays the
+command and calls `cli` here. A run directory stands for its metrics.jsonl; each run is fitted
+with fit.py (R0 = its step-0 eval) on its evals from --fit-from on, bootstrapped, compared by the
+§4 rule when there are several, and drawn. Kept apart from fit.py, which is pure (arrays in,
+numbers out): this file reads files, prints and draws. records.final_fit fits the whole run with
+`whole_run_fit` and draws fit.png with `plot`; train.py ends a run by printing `summary`, its fits
+in words.
 """
 
 import json
@@ -120,8 +121,9 @@ class Args:
     """compute column: any logged column (gpu_hours, tokens, step)"""
     y: str = "eval/pass_rate"
     """metric column; lines without it (no eval ran) are skipped"""
-    c_min: float = 0.0
-    """drop points below this compute before fitting (paper: 1500 GPU-hours)"""
+    fit_from: float = 0.0
+    """fit the evals at this compute (--x) and beyond, leaving out the early transient (paper A.5:
+    1,500 GPU-hours; train.py's start is "fit_from" under "evals" in the run's fit.json)"""
     fit_until: float | None = None
     """fit on C <= this, report the mean absolute error of the prediction beyond it"""
     r0: float | None = None
@@ -184,7 +186,7 @@ def _fit_run(path: str, name: str, args: Args):
     C = C[keep]
     R = R[keep]
     head = C <= (math.inf if args.fit_until is None else args.fit_until)
-    kw = dict(c_min=args.c_min, method=args.method)
+    kw = dict(c_min=args.fit_from, method=args.method)
     try:
         if args.fit_until is None:
             fit = fit_sigmoid(C, R, R0, **kw)
@@ -192,7 +194,9 @@ def _fit_run(path: str, name: str, args: Args):
             n_tail = 0
         else:
             fit, mae, n_tail = extrapolate(C, R, R0, fit_until=args.fit_until, **kw)
-        bs = bootstrap(fit, C[head], R[head], c_min=args.c_min, n_boot=args.n_boot, seed=args.seed)
+        bs = bootstrap(
+            fit, C[head], R[head], c_min=args.fit_from, n_boot=args.n_boot, seed=args.seed
+        )
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"fit.py: {path}: {e}") from None
     row = [name, str(fit.n), f"{R0:.3f}", f"{fit.A:.4f}", _ci(bs.A, "{:.4f}".format)]
@@ -203,6 +207,9 @@ def _fit_run(path: str, name: str, args: Args):
         notes.append(f"{name}: {note}")
     if (~keep).sum() > 1:
         notes.append(f"{name}: {(~keep).sum()} evals at {args.x} <= {c0:g} are R0, not fitted")
+    if (C < args.fit_from).any():
+        n_out = int((C < args.fit_from).sum())
+        notes.append(f"{name}: {n_out} evals at {args.x} < {args.fit_from:g} left out (--fit-from)")
     if bs.n_failed:
         notes.append(
             f"{name}: {bs.n_failed}/{args.n_boot} bootstrap refits failed or not converged"
@@ -222,18 +229,19 @@ def _comparison(runs, fit_pts, c_min: float) -> str:
     return f"comparison (§4): {cmp.rule}{shared} -> {runs[cmp.best][0]} scales best"
 
 
-def whole_run_fit(C, R, R0: float, n_boot: int = 200) -> dict:
+def whole_run_fit(C, R, R0: float, n_boot: int = 200, fit_from: float = 0.0) -> dict:
     """Eq. 1 on the whole run (records.final_fit's "whole_run", bench/seeds.py's check): pass rate
     R against C (1-D arrays; C in gpu_hours, the compute clock; the evals after step 0), R0 = the
-    step-0 eval. Returns the fit's A, A_interval (A's 95% profile interval), B, C_mid, converged,
-    message, and A_bootstrap, the pairs bootstrap's 95% interval for A (fit.bootstrap, n_boot
-    refits; None when the fit did not converge or under 2 refits did); or {"error": ...} when
-    fit_sigmoid raises (ValueError: under 4 evals, a flat curve)."""
+    step-0 eval, fitted on the evals at C >= fit_from (A.5: the early transient left out). Returns
+    the fit's A, A_interval (A's 95% profile interval), B, C_mid, converged, message, and
+    A_bootstrap, the pairs bootstrap's 95% interval for A (fit.bootstrap, n_boot refits; None when
+    the fit did not converge or under 2 refits did); or {"error": ...} when fit_sigmoid raises
+    (ValueError: under 4 evals, a flat curve)."""
     try:
-        f = fit_sigmoid(C, R, R0)
+        f = fit_sigmoid(C, R, R0, c_min=fit_from)
     except (ValueError, RuntimeError) as e:
         return {"error": str(e)}
-    boot = bootstrap(f, C, R, n_boot=n_boot).A
+    boot = bootstrap(f, C, R, c_min=fit_from, n_boot=n_boot).A
     out = {k: getattr(f, k) for k in ("A", "A_interval", "B", "C_mid", "converged", "message")}
     return out | {"A_bootstrap": list(boot) if np.isfinite(boot).all() else None}
 
@@ -252,12 +260,28 @@ def _fit_words(f: dict, whole: bool) -> str:
     return f"A {f['A']:.3f} (95% {ci}), B {f['B']:.3g}, C_mid {f['C_mid']:.3g} gpu-hours ({status})"
 
 
+def _span(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+def _fitted_words(evals: dict) -> str:
+    """final_fit's "evals" in words: the evals fitted and those --fit-from left out."""
+    kept = evals["whole_run"]
+    left = evals["left_out"]
+    fitted = f"the {len(kept)} evals of {_span(kept)}" if kept else "no eval"
+    return (
+        f"  fitted: {fitted}, from {evals['fit_from']:.4g} gpu-hours on; --fit-from leaves out "
+        f"the {len(left)} before ({_span(left)}: the early transient, A.5)"
+    )
+
+
 def summary(run_dir: str, out: dict) -> str:
     """final_fit's `out` in a few lines for the console (train.py prints it at the end of a run;
     fit.json holds every number). Per curve (the run's, then each task's, indented): the pass rate
     from R0 (the step-0 eval) to the last eval; the whole-run fit; the §5 check, the first half's
-    fit (compute, gpu_hours, up to fit_until) and its mean absolute error on the later evals. A fit
-    not converged says why ("A not identified: ..."); one that raised, its error. Never raises."""
+    fit (compute, gpu_hours, up to fit_until) and its mean absolute error on the later evals. When
+    --fit-from left evals out, a second line names the evals fitted (out["evals"]). A fit not
+    converged says why ("A not identified: ..."); one that raised, its error. Never raises."""
     if "R0" not in out:  # no step-0 eval
         return f"run {run_dir}: {out['error']}"
     lines = []
@@ -266,6 +290,8 @@ def summary(run_dir: str, out: dict) -> str:
         R0, final = c["R0"], c["final_pass_rate"]
         rise = f"{R0:.3f} (R0) -> {final:.3f} at the last eval ({final - R0:+.3f})"
         lines += [f"{pad}{name}: pass rate {rise}"]
+        if c is out and out.get("evals", {}).get("left_out"):
+            lines += [_fitted_words(out["evals"])]
         lines += [f"{pad}  whole run: {_fit_words(c['whole_run'], whole=True)}"]
         half = f"{pad}  first half (to {c['fit_until']:.3g} gpu-hours) -> second half: "
         lines += [half + _fit_words(c, whole=False)]
@@ -292,8 +318,9 @@ def main(args: Args):
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
     if len(fit_pts) >= 2:
-        notes.insert(0, _comparison(runs, fit_pts, args.c_min))
-    plot(runs, args.out, xlabel=args.x, ylabel=args.y, c_min=args.c_min, fit_until=args.fit_until)
+        notes.insert(0, _comparison(runs, fit_pts, args.fit_from))
+    kw = dict(xlabel=args.x, ylabel=args.y, c_min=args.fit_from, fit_until=args.fit_until)
+    plot(runs, args.out, **kw)
     print("\n".join(notes + [f"wrote {args.out}"]))
     if any(not f.converged for *_, f in runs):
         raise SystemExit("fit.py: a fit did not converge (see above): do not trust its parameters")

@@ -1,7 +1,7 @@
 """A run's records, kept by rank 0: metrics.jsonl and samples.jsonl (and W&B), the held-out evals
 queued on the eval engine (infra/evals.py) and logged as they finish, the eval history with its live
 sigmoid fit (curve_fit, Eq. 1) and the final ones (final_fit: the first half, §5, and the whole
-run), and the checkpoints.
+run), each on the evals from --fit-from on (A.5), and the checkpoints.
 
     python train.py --steps 2 --eval-every 2   # writes runs/NAME/{metrics,samples}.jsonl, fit.json
     python fit.py runs/NAME/metrics.jsonl        # the same fit, from the log, after the run
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import fit
 import pipeline
-from config import Args
+from config import FIT_FROM_FRACTION, Args
 from infra import (
     checkpoint,
     fit_report,  # the whole-run fit and the plot live with fit.py's command line
@@ -41,20 +41,38 @@ from infra.launch import HEARTBEAT_S, rank0_call
 from tasks import data
 
 
-def curve_fit(history: list[dict], steps: int) -> dict:
-    """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) and
-    predict the pass rate at the last step, extrapolating compute linearly in steps. history: the
-    evals finished so far, in compute order. {} until R0 and 4 points past step 0 have finished."""
-    pts = [(h["gpu_hours"], h["eval/pass_rate"]) for h in history if h["step"] > 0]
-    if len(pts) < 4 or history[0]["step"] != 0:
+def fit_start(fit_from: float | None, c_end: float) -> float:
+    """The compute (gpu_hours) from which the fits take evals: --fit-from, or with None the first
+    FIT_FROM_FRACTION of the run's compute c_end (gpu_hours; config.py departure 7: the paper's
+    first epoch, A.5)."""
+    return FIT_FROM_FRACTION * c_end if fit_from is None else float(fit_from)
+
+
+def curve_fit(history: list[dict], steps: int, fit_from: float | None = 0.0) -> dict:
+    """Fit Eq. 1 to the held-out curve so far (pass rate vs gpu_hours; R0 = the step-0 eval) on the
+    evals from fit_start(fit_from, the run's projected compute) on, and predict the pass rate at the
+    last step, extrapolating compute linearly in steps. history: the evals finished so far, in
+    compute order. {} until R0 and 4 evals to fit have finished; fit/from, fit/n: where the fit
+    starts (gpu_hours) and the evals it fitted."""
+    if not history or history[0]["step"] != 0:
+        return {}
+    c_end = history[-1]["gpu_hours"] * steps / max(history[-1]["step"], 1)
+    start = fit_start(fit_from, c_end)
+    pts = [
+        (h["gpu_hours"], h["eval/pass_rate"])
+        for h in history
+        if h["step"] > 0 and h["gpu_hours"] >= start
+    ]
+    if len(pts) < 4:
         return {}
     C, R = map(np.array, zip(*pts, strict=True))
+    where = {"fit/from": start, "fit/n": float(len(pts))}
     try:
         f = fit.fit_sigmoid(C, R, history[0]["eval/pass_rate"])
     except (ValueError, RuntimeError) as e:
-        return {"fit/converged": 0.0, "fit/error": str(e)}
-    c_end = history[-1]["gpu_hours"] * steps / max(history[-1]["step"], 1)
+        return {**where, "fit/converged": 0.0, "fit/error": str(e)}
     return {  # converged = 0 also when A is not identified (fit.py's rule); A_lo, A_hi: its profile
+        **where,
         "fit/A": f.A,
         "fit/A_lo": f.A_interval[0],
         "fit/A_hi": f.A_interval[1],
@@ -65,11 +83,14 @@ def curve_fit(history: list[dict], steps: int) -> dict:
     }
 
 
-def final_fit(run_dir: str, history: list[dict]) -> dict:
+def final_fit(run_dir: str, history: list[dict], fit_from: float | None = 0.0) -> dict:
     """The paper's protocol (§5) on this run: fit on the first half of its compute, predict the
     second half (mean absolute error on the held-out evals); plot it like Figure 1 (fit.png) and
     save the numbers (fit.json). Beside it, "whole_run": the fit on all the evals
-    (fit_report.whole_run_fit).
+    (fit_report.whole_run_fit). Both fit the evals from fit_start(fit_from, the run's compute) on
+    (A.5: the early transient left out); "evals" in fit.json names them by step: fit_from (the
+    start, gpu_hours), left_out (before it), whole_run, first_half (fitted) and held_out (the
+    second half, predicted).
     A run of several tasks (history with eval/<task>/pass_rate) also gets those fits per task,
     under "tasks" in fit.json (the paper's math curve and code curve), and fit.png draws those
     curves instead of the overall one. A fit that fails holds its "error" and is not drawn.
@@ -80,7 +101,17 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
             json.dump(out, f, indent=1)
         return out
     C = np.array([h["gpu_hours"] for h in history[1:]])
+    steps = np.array([h["step"] for h in history[1:]], dtype=np.int64)
     half = C[-1] / 2 if len(C) else 0.0
+    start = fit_start(fit_from, C[-1] if len(C) else 0.0)
+    fitted = C >= start
+    evals = {
+        "fit_from": start,
+        "left_out": steps[~fitted].tolist(),
+        "whole_run": steps[fitted].tolist(),
+        "first_half": steps[fitted & (C <= half)].tolist(),
+        "held_out": steps[C > half].tolist(),
+    }
     tasks = [m[1] for k in history[0] if (m := re.fullmatch(r"eval/(.+)/pass_rate", k))]
     curves = []  # (name, C, R, fit) for fit_report.plot
 
@@ -88,9 +119,9 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         R = np.array([h[key] for h in history[1:]])
         R0 = history[0][key]
         out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
-        out["whole_run"] = fit_report.whole_run_fit(C, R, R0)
+        out["whole_run"] = fit_report.whole_run_fit(C, R, R0, fit_from=start)
         try:
-            f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half)
+            f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half, c_min=start)
         except (ValueError, RuntimeError) as e:
             return {**out, "error": str(e)}
         curves.append((name, C, R, f))
@@ -108,13 +139,16 @@ def final_fit(run_dir: str, history: list[dict]) -> dict:
         return out
 
     out = one(os.path.basename(run_dir), "eval/pass_rate")
+    out["evals"] = evals
     if tasks:
         curves.clear()  # one curve per task on the plot
         out["tasks"] = {t: one(t, f"eval/{t}/pass_rate") for t in tasks}
     if curves:
         ylabel = "eval/<task>/pass_rate" if tasks else "eval/pass_rate"
         path = os.path.join(run_dir, "fit.png")
-        fit_report.plot(curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_until=half)
+        fit_report.plot(
+            curves, path, xlabel="gpu_hours", ylabel=ylabel, c_min=start, fit_until=half
+        )
     with open(os.path.join(run_dir, "fit.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
@@ -313,7 +347,7 @@ class RunLog:
             line = {"step": at, **clock_fields(c), **m}
             # its point from its line, as a resumed run rebuilds it (checkpoint.resume_logs)
             checkpoint.add_eval(self.history, line)
-            m.update(curve_fit(self.history, self.args.steps))
+            m.update(curve_fit(self.history, self.args.steps, self.args.fit_from))
             line.update(m)
             self.write(line, step)
             print(eval_line(at, self.args.steps, m, r, step), flush=True)

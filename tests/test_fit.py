@@ -6,13 +6,15 @@ on noise-free data; the same answer at CPU-hour, GPU-hour and FLOP scale; the A.
 the fast fit and never beating its SSE; each degenerate input raising or being flagged not
 converged; the fixed-A refit and the §4 comparison rule; the identifiability rule (issue 12: a left
 tail and a flat curve refused, a well-sampled curve kept, its profile interval's ends checked with
-scipy's curve_fit); bootstrap intervals; A.4's power-law overshoot. The CLI:
+scipy's curve_fit); bootstrap intervals; A.4's power-law overshoot; extrapolate raises on a NaN eval
+inside the fit range and in the held-out tail alike. The CLI:
 tests/test_fit_report.py.
 Every numpy/scipy warning is an error here: the module must emit none.
 """
 
 import dataclasses
 import math
+import re
 import warnings
 
 import numpy as np
@@ -378,6 +380,16 @@ def test_extrapolate_needs_a_tail():
     C, R, _ = evals(2542, 1.92, 0.610)
     with pytest.raises(ValueError, match="nothing to extrapolate"):
         fit.extrapolate(C, R, R0, fit_until=C.max())
+
+
+@pytest.mark.parametrize("k", [5, 35], ids=["fitted", "held-out"])
+def test_extrapolate_nan_raises_inside_and_in_the_tail(k):
+    # fit_until 15000 splits C40 (500, 1000, ..., 20000) at index 29: a NaN pass rate at 3000 (k 5)
+    # or at 18000 (k 35) raises the same error naming its index; no NaN error comes back
+    R = eq1(C40, 0.6, 2, 3000)
+    R[k] = math.nan
+    with pytest.raises(ValueError, match=re.escape(f"NaN or inf in C, R or R0 (indices [{k}])")):
+        fit.extrapolate(C40, R, R0, fit_until=15000.0)
 
 
 def threshold(sse, n):

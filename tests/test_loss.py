@@ -9,11 +9,12 @@ aggregation_weights: prompt / sample / token weights on unequal-length groups eq
 formulas and differ, and micro-batch shares sum to the full-batch loss and gradient. policy_loss:
 every loss type against a numpy reference of value and analytic gradient; padding (even NaN / inf)
 changes nothing; CISPO keeps the gradient above the cap where DAPO zeroes it; the clip acts on the
-right side for negative advantages; GSPO's ratio ignores padded tokens; rho is taken against the
-sampler's log-probs and the API rejects a detached logp. check_values (once per batch): a NaN or inf
-behaviour log-prob on a valid token raises, naming the sample and token (padding may hold one), and
-so does a negative weight. Every public function raises a clear error on bad shapes, and on a dtype
-it would otherwise take silently.
+right side for negative advantages; GSPO's ratio ignores padded tokens, and its loss on two
+sequences is the paper's (one weight per sequence) under every --agg config.validate accepts; rho
+is taken against the sampler's log-probs and the API rejects a detached logp. check_values (once
+per batch): a NaN or inf behaviour log-prob on a valid token raises, naming the sample and token
+(padding may hold one), and so does a negative weight. Every public function raises a clear error
+on bad shapes, and on a dtype it would otherwise take silently.
 """
 
 import math
@@ -511,6 +512,40 @@ def test_gspo_clip_widths_are_the_callers():
     assert gspo(0.99, -1.0, gspo_eps_low=2e-2) == pytest.approx((0.99, 0.99, 0.0))
     assert gspo(1.01, 1.0) == pytest.approx((-1.005, 0.0, 1.0))
     assert gspo(1.01, 1.0, gspo_eps_high=2e-2) == pytest.approx((-1.01, -1.01, 0.0))
+
+
+def test_gspo_loss_is_the_papers_under_every_aggregation_config_accepts():
+    # GSPO (arXiv 2507.18071; the paper's A.17.3): J = mean over sequences of
+    # min(s_i A_i, clip(s_i, 1 - 3e-3, 1 + 5e-3) A_i), s_i = exp(mean over tokens of log rho).
+    # One group of two: rewards 1, 0 -> A = +1, -1 (batch norm: centred +-0.5, std 0.5).
+    # Sequence 0, 2 tokens, log rho 0.002, 0.004: s_0 = e^0.003 = 1.0030045 < 1.005, live: s_0.
+    # Sequence 1, 4 tokens, log rho -0.01 each: s_1 = e^-0.01 = 0.99005 < 0.997 with A < 0: the
+    # clipped branch, -0.997. J = (1.0030045045 - 0.997) / 2 = 0.0030022523, loss = -J. Gradient:
+    # sequence 0's tokens -(1/2) A_0 s_0 / 2 = -0.2507511 each, sequence 1's 0 (clipped). Weighing
+    # the sequences by length (2/6, 4/6: prompt or token aggregation) would give +0.3303 instead.
+    import config
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    group_ids = torch.tensor([0, 0])
+    adv = loss.group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), group_ids)
+    old = torch.tensor([[-1.002, -2.004, 0.0, 0.0], [-0.49] * 4], dtype=torch.float64)
+    accepted = []
+    for agg in ("prompt", "sample", "token"):
+        try:
+            config.validate(config.parse_args(["--loss", "gspo", "--agg", agg]), 1)
+        except config.BadInput:
+            continue
+        accepted.append(agg)
+        logp = torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-0.5] * 4], dtype=torch.float64)
+        logp.requires_grad_(True)
+        w = loss.aggregation_weights(mask, group_ids, agg).double()
+        out, m = loss.policy_loss(logp, old, adv, w, "gspo")
+        assert out.item() == pytest.approx(-0.0030022523, abs=1e-9), agg
+        out.backward()
+        g0 = -0.5 * math.exp(0.003) / 2
+        np.testing.assert_allclose(logp.grad.numpy(), [[g0, g0, 0, 0], [0] * 4], atol=1e-12)
+        assert m["clipped"].item() == 4  # every token of sequence 1
+    assert "sample" in accepted  # GSPO stays usable
 
 
 def test_gspo_sequence_ratio_ignores_padded_tokens():

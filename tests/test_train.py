@@ -220,6 +220,8 @@ def test_group_size_need_not_divide_over_the_trainer_ranks(argv, world):
 RULES = [
     (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
     (["--eval-n", "0"], "--eval-n 0: must be >= 1"),
+    (["--fit-from", "-1"], "--fit-from -1.0: must be a number >= 0 (gpu_hours) or None"),
+    (["--fit-from", "inf"], "--fit-from inf: must be a number >= 0 (gpu_hours) or None"),
     (["--save-every", "-1"], "--save-every -1: must be >= 0 (0: only at the end)"),
     (["--log-samples", "-1"], "--log-samples -1: must be >= 0"),
     (["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (seconds)"),
@@ -233,7 +235,12 @@ RULES = [
     (["--think-budget", "0", "10"], "--think-budget 0 10: needs 0 < lo <= hi"),
     (["--gen-timeout", "0"], "--gen-timeout 0.0: must be > 0 (seconds)"),
     (["--max-lag", "-1"], "--max-lag -1: must be >= 0 with --async-mode pipeline"),
-    (["--cispo-cap", "0"], "--cispo-cap 0.0: must be > 0"),
+    (
+        ["--agg", "token", "--loss", "gspo"],
+        "--agg token: --loss gspo weighs each sequence once; use --agg sample",
+    ),
+    (["--cispo-cap", "0"], "--cispo-cap 0.0: must be >= 1 (paper: 4, 5 or 8)"),
+    (["--cispo-cap", "0.99"], "--cispo-cap 0.99: must be >= 1 (paper: 4, 5 or 8)"),
     (["--eps-low", "-0.1"], "--eps-low -0.1: must be >= 0"),
     (["--eps-high", "-0.1"], "--eps-high -0.1: must be >= 0"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
@@ -261,6 +268,9 @@ FLAG_ERRORS = [
     (["--lr", "-1e-4"], "--lr -0.0001: must be > 0"),
     (["--prompts-per-step", "0"], "--prompts-per-step 0: must be >= 1"),
     (["--micro-batch-size", "0"], "--micro-batch-size 0: must be >= 1"),
+    # issue 26: a cap read as DAPO's 0.2 would shrink every gradient; GSPO needs sample aggregation
+    (["--cispo-cap", "0.2"], "--cispo-cap 0.2: must be >= 1 (paper: 4, 5 or 8)"),
+    (["--loss", "gspo"], "--agg prompt: --loss gspo weighs each sequence once; use --agg sample"),
     (
         ["--model", "nope"],
         "--model nope: not a preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, "
