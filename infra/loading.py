@@ -80,9 +80,11 @@ def logit_scale(lm) -> float:
 def decoder_layers(lm) -> list:
     """The modules train.shard wraps one by one: those whose class the model names in
     _no_split_modules (its decoder layers; what transformers' Trainer and accelerate wrap for FSDP),
-    outermost first where one holds another, in model order. Found this way wherever a family
+    the outermost where one holds another, in model order. Found this way wherever a family
     keeps them: Qwen3 and Llama at model.layers, GPT-2 and GPT-J at transformer.h, OPT at
-    model.decoder.layers. Raises ValueError when the model names none that it has."""
+    model.decoder.layers. Raises ValueError when the model names none that it has. _no_split_modules
+    is transformers' own attribute (5.19: the set over the model's submodules' classes);
+    tests/test_models.py fails if it stops naming the layers."""
     classes = set(lm._no_split_modules or ())
     layers = []
     kept = []  # the names of the modules taken, whose submodules are inside them already

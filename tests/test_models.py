@@ -89,7 +89,11 @@ REFUSED = {
     ),
     "gemma4_text": (
         "Gemma4TextConfig",
-        dict(final_logit_softcapping=30.0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V),
+        dict(
+            final_logit_softcapping=30.0,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=V,
+        ),
         SOFTCAP.format(field="final_logit_softcapping"),
     ),
     "gptj": (
