@@ -109,8 +109,9 @@ def without_dropout(config) -> None:
     layerdrop, drop_path_rate, ...). RL trainers compute log-probs with dropout off, and with it on
     two calls on the same tokens differ (OPT's 0.1: by ~0.05 per token), so rho would be noise
     even at equal weights. Done in the config, before the model is built, rather than by eval mode,
-    because transformers checkpoints activations only in train mode (issue 26)."""
-    for key, value in vars(config).items():
+    because transformers checkpoints activations only in train mode (issue 26). The config the run
+    exports with its weights (checkpoint.export_pretrained) says 0 too: the model as trained."""
+    for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
             without_dropout(value)
         elif "drop" in key and isinstance(value, float) and value > 0:
