@@ -75,11 +75,15 @@ class Policy(torch.nn.Module):
     """The causal LM as the loss sees it: forward returns the log-probs of chosen tokens, (N,)
     float32, the head in fp32 (§3.2; from bf16 operands at tensor-core speed under FSDP2 mixed
     precision on GPU) or, with fp32_head=False, in the model's compute dtype. The head runs inside
-    this module's forward, so FSDP2 gathers and reduces its weight like any other."""
+    this module's forward, so FSDP2 gathers and reduces its weight like any other. It is the
+    model's own: a head that scales its logits by a config value (Cohere, Granite:
+    loading.logit_scale) gets the same factor; one it cannot reproduce raises ValueError here
+    (loading.load_model refuses it first, in one line)."""
 
     def __init__(self, lm, fp32_head: bool):
         super().__init__()
         self.lm, self.fp32_head = lm, fp32_head
+        self.logit_scale = loading.logit_scale(lm)
 
     def forward(self, input_ids, attention_mask, position_ids, pred, targets, temperature: float):
         """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
@@ -97,18 +101,22 @@ class Policy(torch.nn.Module):
         hidden = hidden.flatten(0, 1).index_select(0, pred)  # (N, H): only predicting positions
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         head_dtype = torch.float32 if self.fp32_head else hidden.dtype
-        return loss.token_logprobs(hidden, weight, targets, temperature, head_dtype=head_dtype)
+        # the model's logit scale s folded into the temperature: vLLM samples from
+        # softmax(logits * s / T) = softmax(logits / (T / s)) (LogitsProcessor(scale), then T)
+        t = temperature / self.logit_scale
+        return loss.token_logprobs(hidden, weight, targets, t, head_dtype=head_dtype)
 
 
 def shard(policy: Policy, device) -> None:
-    """FSDP2 as in torchtitan: `fully_shard` each decoder layer, then the root; bf16 compute with
-    fp32 gradient reduction on GPU, fp32 throughout on CPU. Gradients are summed over ranks, not
-    averaged (FSDP2's default): each rank's loss is its share of the full-batch loss."""
+    """FSDP2 as in torchtitan: `fully_shard` each decoder layer (loading.decoder_layers: wherever
+    the family keeps them), then the root; bf16 compute with fp32 gradient reduction on GPU, fp32
+    throughout on CPU. Gradients are summed over ranks, not averaged (FSDP2's default): each rank's
+    loss is its share of the full-batch loss."""
     kw = {}
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         kw["mp_policy"] = mp
-    for module in [*policy.lm.get_decoder().layers, policy]:  # the root last
+    for module in [*loading.decoder_layers(policy.lm), policy]:  # the root last
         fully_shard(module, **kw)
         # sum over ranks: divide factor 1, reduced with a plain SUM (without force_sum FSDP2 uses
         # PREMUL_SUM(1 / factor), which gloo does not have; torch 2.13, tests/dist_step.py)
@@ -122,7 +130,8 @@ def build(lm, args: Args, device) -> tuple[Policy, torch.optim.Optimizer]:
     optimizer)."""
     if args.activation_checkpointing:  # before fully_shard, as torchtitan applies it
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # train mode: HF checkpoints layers only while training; the model has no dropout
+    # train mode: HF checkpoints layers only while training; dropout is off in the model's
+    # config (loading.without_dropout)
     policy = Policy(lm, args.fp32_head).train()
     # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and
     # keeps only its shard (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model moved

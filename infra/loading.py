@@ -5,6 +5,12 @@ the fp32 weights, and once the run directory exists, the held-out split and the 
 
     python train.py --data nope.jsonl    # train.py: --data nope.jsonl: no such file (exit 1)
 
+The model is loaded with every dropout probability of its config at 0 (RL trainers compute
+log-probs with dropout off; the policy stays in train mode, which transformers' activation
+checkpointing needs), and refused in one line where the trainer's head cannot be the model's own:
+logit soft-capping or a bias on its LM head (logit_scale), or no decoder layers to shard
+(decoder_layers).
+
 Every function here is called on every rank; rank 0 builds the tiny model and prints.
 """
 
@@ -14,7 +20,7 @@ import functools
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 import config
 import filters
@@ -22,6 +28,94 @@ from config import Args, BadInput
 from infra import placement
 from infra.launch import plan_placement
 from tasks import code_reward, data, heldout, math_reward, sandbox, tiny
+
+# The causal-LM heads that scale hidden @ W.T by a config value, by the text config's model_type:
+# logits = hidden @ W.T * config.FIELD ** POWER (transformers 5.19 *ForCausalLM.forward; vLLM 0.32
+# passes the same factor to its LogitsProcessor(scale=...)). MiniCPM3 divides the hidden state by
+# its logits_scaling property, the same factor on the logits.
+LOGIT_SCALES = {
+    "cohere": ("logit_scale", 1),
+    "cohere2": ("logit_scale", 1),
+    "cohere2_moe": ("logit_scale", 1),
+    "granite": ("logits_scaling", -1),
+    "granitemoe": ("logits_scaling", -1),
+    "granitemoeshared": ("logits_scaling", -1),
+    "granitemoehybrid": ("logits_scaling", -1),
+    "hyperclovax": ("logits_scaling", 1),  # muP: a multiplier here, a divisor in Granite
+    "falcon_h1": ("lm_head_multiplier", 1),
+    "minicpm3": ("logits_scaling", -1),
+}
+# config fields of a tanh soft cap on the final logits (Gemma 2/3/3n/4, VaultGemma, NanoChat;
+# RecurrentGemma): cap * tanh(logits / cap), which token_logprobs does not compute
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
+
+
+def logit_scale(lm) -> float:
+    """The factor the model's own causal-LM head multiplies hidden @ W.T by (LOGIT_SCALES; 1.0 for
+    a plain head), which train.Policy folds into the temperature: log_softmax(logits * s / T) is
+    what vLLM samples from. Raises ValueError naming the config field or module for a head that
+    does more than that: logit soft-capping (SOFTCAP_FIELDS, when set) or a bias on the LM head
+    (GPT-J's), which the fp32 head (loss.token_logprobs) would skip, so that the trainer's
+    log-probs would not be the sampler's (issue 26)."""
+    text = lm.config.get_text_config()
+    for field in SOFTCAP_FIELDS:
+        cap = getattr(text, field, None)
+        if cap is not None:
+            raise ValueError(
+                f"{field} {cap}: the trainer's fp32 head has no logit soft-capping, so its "
+                "log-probs would not be the sampler's; not supported"
+            )
+    head = lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"its LM head has a bias ({type(lm).__name__}), which the trainer's fp32 head would "
+            "neither apply nor train; not supported"
+        )
+    field, power = LOGIT_SCALES.get(text.model_type, (None, 0))
+    if field is None:
+        return 1.0
+    return float(getattr(text, field)) ** power
+
+
+def decoder_layers(lm) -> list:
+    """The modules train.shard wraps one by one: those whose class the model names in
+    _no_split_modules (its decoder layers; what transformers' Trainer and accelerate wrap for FSDP),
+    the outermost where one holds another, in model order. Found this way wherever a family
+    keeps them: Qwen3 and Llama at model.layers, GPT-2 and GPT-J at transformer.h, OPT at
+    model.decoder.layers. Raises ValueError when the model names none that it has. _no_split_modules
+    is transformers' own attribute (5.19: the set over the model's submodules' classes);
+    tests/test_models.py fails if it stops naming the layers."""
+    classes = set(lm._no_split_modules or ())
+    layers = []
+    kept = []  # the names of the modules taken, whose submodules are inside them already
+    for name, module in lm.named_modules():
+        if type(module).__name__ not in classes:
+            continue
+        if any(name.startswith(k + ".") for k in kept):
+            continue
+        layers.append(module)
+        kept.append(name)
+    if not layers:
+        raise ValueError(
+            f"no decoder layers to shard: {type(lm).__name__} has no module of a class in its "
+            f"_no_split_modules ({', '.join(sorted(classes)) or 'none'}); not supported"
+        )
+    return layers
+
+
+def without_dropout(config) -> None:
+    """Set every dropout probability of a transformers config and its sub-configs to 0, in place:
+    every float field whose name has "drop" in it (attention_dropout, dropout, resid_pdrop,
+    layerdrop, drop_path_rate, ...). RL trainers compute log-probs with dropout off, and with it on
+    two calls on the same tokens differ (OPT's 0.1: by ~0.05 per token), so rho would be noise
+    even at equal weights. Done in the config, before the model is built, rather than by eval mode,
+    because transformers checkpoints activations only in train mode (issue 26). The config the run
+    exports with its weights (checkpoint.export_pretrained) says 0 too: the model as trained."""
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            without_dropout(value)
+        elif "drop" in key and isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
 
 
 def reward_fns(prompts, unsafe_no_sandbox: bool) -> dict:
@@ -193,12 +287,22 @@ def sampler_dtype(args: Args, device) -> torch.dtype:
 
 
 def load_model(args: Args, path: str):
-    """The fp32 master weights (seeded by --seed). Raises BadInput (code 1) naming --model."""
+    """The fp32 master weights (seeded by --seed), built with dropout off (without_dropout). Raises
+    BadInput (code 1) naming --model: weights that do not load, a head the trainer cannot compute
+    as the model does (logit_scale), no decoder layers to shard (decoder_layers)."""
     torch.manual_seed(args.seed)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model_config = AutoConfig.from_pretrained(path)
+        without_dropout(model_config)
+        lm = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise BadInput(f"--model {args.model}: cannot load its weights: {one_line(e)}", 1) from e
+    try:
+        logit_scale(lm)
+        decoder_layers(lm)
+    except ValueError as e:
+        raise BadInput(f"--model {args.model}: {e}", 1) from None
+    return lm
 
 
 def heldout_and_pool(args: Args, prompts: list, run_dir: str, master: bool):
