@@ -59,7 +59,6 @@ import dataclasses
 import math
 import os
 import random
-import selectors
 import shutil
 import statistics
 import sys
@@ -106,43 +105,6 @@ QWEN3_8B_CONFIG = SimpleNamespace(
 )
 SHAPE = placement.Shape.from_config(QWEN3_8B_CONFIG)
 DUMMY_WEIGHTS = "model.safetensors"  # what Sampler.update_weights looks for; never read
-
-
-class IdleSelector(selectors.DefaultSelector):
-    """The default selector, timing its waits: `idle()` is the seconds its event loop has spent
-    waiting for I/O or a timer (with nothing to run), the only time the simulators' clocks run."""
-
-    def __init__(self):
-        super().__init__()
-        self._idle = 0.0
-        self._since = None  # start of the wait in progress
-
-    def select(self, timeout=None):
-        self._since = time.monotonic()
-        try:
-            return super().select(timeout)
-        finally:
-            self._idle += time.monotonic() - self._since
-            self._since = None
-
-    def idle(self) -> float:
-        since = self._since
-        extra = 0.0 if since is None else time.monotonic() - since
-        return self._idle + extra
-
-
-class IdleLoop(asyncio.SelectorEventLoop):
-    """An event loop on an IdleSelector whose clock (`time()`, what asyncio's timers,
-    `asyncio.timeout` and `asyncio.wait(timeout=...)` read) is that selector's idle seconds: the
-    project's timeouts, given divided by the time scale, then run on the simulators' time, exact
-    whatever CPU time the clients take."""
-
-    def __init__(self, selector: IdleSelector):
-        super().__init__(selector)
-        self.idle = selector.idle
-
-    def time(self) -> float:
-        return self.idle()
 
 
 class FastTokenizer(vllm_sim.Tokenizer):
@@ -350,7 +312,7 @@ class SimTrainer:
         self.out = out
         self.P = config.groups_per_step(args)
         max_len = args.max_model_len
-        self.selector = IdleSelector()
+        self.selector = vllm_sim.IdleSelector()
         self.loop = None  # the engines' event loop, once started
         kw = dict(max_model_len=max_len, time_scale=time_scale, clock=self.selector.idle)
         self.tsim = vllm_sim.SimEngine(dp=lay.plan.dp, config=lay.gen, seed=seed, **kw)
@@ -405,7 +367,7 @@ class SimTrainer:
         pipe = eval_engine = None
         # both samplers in one loop of ours (borrowed, as the tests' shared engine), whose waits
         # are the simulators' time: both clocks stay in step, and no client's work is simulated time
-        self.loop = IdleLoop(self.selector)
+        self.loop = vllm_sim.IdleLoop(self.selector)
         worker = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         worker.start()
         thread = engine.SamplerThread("sim-engines", None, self.loop)

@@ -81,6 +81,7 @@ import itertools
 import math
 import random
 import re
+import selectors
 import sys
 import time
 from dataclasses import dataclass, field
@@ -1313,6 +1314,43 @@ class _IdleClock(_Clock):
     def set(self, t: float) -> None:
         self._t = max(t, self.now())
         self._idle0 = self.idle()
+
+
+class IdleSelector(selectors.DefaultSelector):
+    """The default selector, timing its waits: `idle()` is the seconds its event loop has spent
+    waiting for I/O or a timer (with nothing to run), the only time the simulators' clocks run."""
+
+    def __init__(self):
+        super().__init__()
+        self._idle = 0.0
+        self._since = None  # start of the wait in progress
+
+    def select(self, timeout=None):
+        self._since = time.monotonic()
+        try:
+            return super().select(timeout)
+        finally:
+            self._idle += time.monotonic() - self._since
+            self._since = None
+
+    def idle(self) -> float:
+        since = self._since
+        extra = 0.0 if since is None else time.monotonic() - since
+        return self._idle + extra
+
+
+class IdleLoop(asyncio.SelectorEventLoop):
+    """An event loop on an IdleSelector whose clock (`time()`, what asyncio's timers,
+    `asyncio.timeout` and `asyncio.wait(timeout=...)` read) is that selector's idle seconds: the
+    project's timeouts, given divided by the time scale, then run on the simulators' time, exact
+    whatever CPU time the clients take."""
+
+    def __init__(self, selector: IdleSelector):
+        super().__init__(selector)
+        self.idle = selector.idle
+
+    def time(self) -> float:
+        return self.idle()
 
 
 class SimEngine:

@@ -16,6 +16,7 @@ the lower number first: thinking 0, answer -1).
 
 import asyncio
 import collections
+import threading
 
 import generate
 from bench import vllm_sim
@@ -64,10 +65,19 @@ def test_a_two_phase_fcfs_eval_with_a_1_s_timeout_finishes(tmp_path):
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"")  # what update_weights looks for
-    thread = engine.SamplerThread("sim-eval")
+    # a loop on the idle clock (vllm_sim.IdleLoop), as bench/scale.py's: the simulator and the
+    # eval's 1 s timer count only the time that loop waits, so a busy machine cannot fail the test
+    selector = vllm_sim.IdleSelector()
+    loop = vllm_sim.IdleLoop(selector)
+    runner = threading.Thread(target=loop.run_forever, name="sim-eval", daemon=True)
+    runner.start()
+    thread = engine.SamplerThread("sim-eval", None, loop)
+    sampler = None
     try:
-        sim_kwargs = dict(dp=DP, max_num_seqs=SEQS, policy=vllm_sim.FCFS, time_scale=1000.0)
-        sampler = thread.start(sim_sampler(**sim_kwargs)).result(60)
+        sim_kwargs = dict(
+            dp=DP, max_num_seqs=SEQS, policy=vllm_sim.FCFS, time_scale=1000.0, clock=selector.idle
+        )
+        sampler = thread.run(sim_sampler(**sim_kwargs), 60)
         with evals.EvalEngine(
             sampler, loop=thread.loop, reward_fn=zero_rewards, gen_timeout=1.0
         ) as eval_engine:
@@ -80,7 +90,17 @@ def test_a_two_phase_fcfs_eval_with_a_1_s_timeout_finishes(tmp_path):
         assert sampler.finished_requests == len(records)  # nothing aborted
         assert most_at_once(records) <= evals.EVAL_SLOTS_FACTOR * SEQS * DP
     finally:
-        assert thread.close(30.0)
+
+        async def shutdown():  # in the loop: the simulator's driver ends there
+            if sampler is not None:
+                sampler.engine.shutdown()
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        thread.run(shutdown(), 30.0)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(30.0)
+        loop.close()
 
 
 def test_both_phases_of_a_rollout_share_an_engine_and_the_answer_goes_first():
