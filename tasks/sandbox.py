@@ -27,7 +27,7 @@ lives in the sandbox's mount namespace and is freed when its last process ends.
 
 What it does not protect against: kernel exploits (the sandbox shares the host's kernel); reading
 what /usr and the Python installation hold; CPU and memory pressure on the host within the limits
-(WORKERS sandboxes at once, each up to MEMORY); and, for check-style tests that run inside,
+(WORKERS sandboxes at once, each up to BUDGET); and, for check-style tests that run inside,
 in-process tricks (an object whose __eq__ is always True, code that reads the harness's memory). The
 nonce of the final report means an early exit (sys.exit, os._exit, a killed process) can never pass
 as a finished run.
