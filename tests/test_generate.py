@@ -41,6 +41,7 @@ import numpy as np
 import psutil
 import pytest
 import safetensors.torch
+import tokenizers
 import torch
 from transformers import Qwen3ForCausalLM
 from vllm import SamplingParams, TokensPrompt
@@ -194,6 +195,23 @@ def test_sampler_thread_closed_while_starting_shuts_the_sampler_down_once_made()
     borrowed = engine.SamplerThread("unused", fake, loop)
     assert borrowed.close(0.0) is True and not loop.is_closed() and fake.engine.shutdowns == 2
     loop.close()
+
+
+@pytest.mark.parametrize("think_special", [False, True])
+def test_completion_text_keeps_think_end_whatever_its_special_flag(monkeypatch, think_special):
+    # the tiny tokenizer, its <think> and </think> added as special tokens when `think_special`
+    def added_token(content, special=False, normalized=True):
+        special = special or (think_special and content in tiny.THINK_TOKENS)
+        return tokenizers.AddedToken(content, special=special, normalized=normalized)
+
+    monkeypatch.setattr(tiny, "AddedToken", added_token)
+    tok = tiny.build_tokenizer()
+    assert tok.added_tokens_decoder[THINK_END].special == think_special
+    # "hi", <|im_start|>, <think>, "x é", </think>, " 4", <|im_end|>, <|endoftext|>
+    ids = [104, 105, 257, 259, 120, 32, 195, 169, THINK_END, 32, 52, EOS, 256]
+    # the special ids dropped, </think> kept either way, <think> only where it is not special
+    text = "hi" + ("" if think_special else "<think>") + "x \u00e9</think> 4"
+    assert generate.completion_text(tok, ids) == text
 
 
 def test_versions_from_spans():
