@@ -378,7 +378,7 @@ def test_kv_cache_larger_than_free_memory_one_line_exit_1_no_run_dir(tmp_path):
     )
     assert line, errors[0]
     assert abs(float(line[1]) - free) < 2.0  # what was free then, give or take others' use
-    assert not run_dir.exists() and "vllm" not in out.stdout.lower()
+    assert not run_dir.exists()
 
 
 def test_unknown_model_gets_cpu_sized_defaults_without_cuda(monkeypatch):
