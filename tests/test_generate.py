@@ -259,6 +259,53 @@ def test_start_engine_checks_nice_before_anything_starts(monkeypatch):
     assert started == [args]
 
 
+def test_engine_refuses_a_kv_cache_over_free_memory_before_it_starts(monkeypatch):
+    """On CPU a KV cache larger than the free memory is one line naming --kv-cache-gib, what was
+    asked and what is free, raised before vLLM starts a process."""
+    started = []
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engine, "start_engine", lambda *a: started.append(a) or (None, [], []))
+    monkeypatch.setattr(engine.psutil, "virtual_memory", lambda: SimpleNamespace(available=3 << 30))
+    with pytest.raises(config.BadInput) as e:
+        engine.Engine("/nonexistent/model", kv_cache_gib=2.0, data_parallel_size=2)
+    assert str(e.value) == (
+        "--kv-cache-gib 2: 2 vLLM KV cache(s) on CPU ask for 4.0 GiB, only 3.0 GiB of memory is "
+        "free: lower --kv-cache-gib (or free memory)"
+    )
+    assert e.value.code == 1 and started == []
+    engine.Engine("/nonexistent/model", kv_cache_gib=1.5, data_parallel_size=2)  # 3 GiB fits
+    assert len(started) == 1
+
+
+def test_an_engine_that_fails_to_start_is_one_line_naming_the_memory_flag(monkeypatch):
+    """vLLM 0.32's parent-side error when its engine core died starting (the cause is printed by
+    that process) becomes one line naming the flag that sizes vLLM's memory; other errors pass."""
+
+    def fail(args):
+        raise RuntimeError("Engine core initialization failed. See root cause above. ...")
+
+    monkeypatch.setattr(engine.AsyncLLM, "from_engine_args", fail)
+    for args, hint in [
+        (
+            SimpleNamespace(kv_cache_memory_bytes=3 << 29, gpu_memory_utilization=0.85),
+            "lower --kv-cache-gib (asked 1.5 GiB of KV cache per worker)",
+        ),
+        (
+            SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.85),
+            "lower --gpu-memory-utilization (asked 0.85 of each GPU)",
+        ),
+    ]:
+        with pytest.raises(config.BadInput) as e:
+            engine.start_engine(args, {})
+        assert str(e.value) == (
+            f"the vLLM engine did not start (its error is above); if it is memory: {hint}"
+        )
+        assert e.value.code == 1 and e.value.__cause__ is None and e.value.__suppress_context__
+    monkeypatch.setattr(engine.AsyncLLM, "from_engine_args", lambda a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.start_engine(SimpleNamespace(), {})
+
+
 def test_sync_client_uses_each_label_once():
     """The NCCL client labels the weights with the version Pipeline.publish_by set, then clears it:
     an update without a new label counts on (+ 1) instead of putting the old label back. The fake
