@@ -109,8 +109,10 @@ def completion_text(tokenizer, ids: list[int]) -> str:
     """A completion's text: `ids` decoded without special tokens, but for THINK_CLOSE, kept even
     where the tokenizer marks it special (skip_special_tokens would drop it, and every response
     would score 0 in thinking mode: the rewards read the text after the last </think>)."""
-    added = tokenizer.added_tokens_decoder  # {id: AddedToken}: the special flags decode skips by
-    specials = {i for i, token in added.items() if token.special} | set(tokenizer.all_special_ids)
+    # {id: AddedToken}: the special flags decode skips by (none on bench/vllm_sim's byte tokenizer)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    specials = {i for i, token in added.items() if token.special}
+    specials |= set(getattr(tokenizer, "all_special_ids", ()))
     ends = {i for i in specials if added.get(i) and added[i].content == THINK_CLOSE}
     if not ends:
         return tokenizer.decode(ids, skip_special_tokens=True)
