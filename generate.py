@@ -105,6 +105,21 @@ def cpu_bind(n: int, allowed: set[int] | None = None) -> str:
     return ",".join(map(str, cpus[-max(1, n) :]))
 
 
+def completion_text(tokenizer, ids: list[int]) -> str:
+    """A completion's text: `ids` decoded without special tokens, but for THINK_CLOSE, kept even
+    where the tokenizer marks it special (skip_special_tokens would drop it, and every response
+    would score 0 in thinking mode: the rewards read the text after the last </think>)."""
+    # {id: AddedToken}: the special flags decode skips by (none on bench/vllm_sim's byte tokenizer)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    specials = {i for i, token in added.items() if token.special}
+    specials |= set(getattr(tokenizer, "all_special_ids", ()))
+    ends = {i for i in specials if added.get(i) and added[i].content == THINK_CLOSE}
+    if not ends:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    skipped = specials - ends
+    return tokenizer.decode([i for i in ids if i not in skipped], skip_special_tokens=False)
+
+
 class Sampler:
     """Samples groups of rollouts with forced interruptions on a vLLM engine of its own (`engine`:
     an `infra.engine.Engine`, whose `dead()`, `shutdown()` and `kv_capacity` callers use), and
@@ -413,7 +428,7 @@ class Sampler:
             interrupted=interrupted,
             # always the answer phase (or the only phase) here
             truncated=reason == "length",
-            text=self.tokenizer.decode(tokens.ids, skip_special_tokens=True),
+            text=completion_text(self.tokenizer, tokens.ids),
         )
 
     async def update_weights(self, weights_dir: str, version: int | None = None) -> int:

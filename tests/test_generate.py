@@ -41,6 +41,7 @@ import numpy as np
 import psutil
 import pytest
 import safetensors.torch
+import tokenizers
 import torch
 from transformers import Qwen3ForCausalLM
 from vllm import SamplingParams, TokensPrompt
@@ -196,6 +197,23 @@ def test_sampler_thread_closed_while_starting_shuts_the_sampler_down_once_made()
     loop.close()
 
 
+@pytest.mark.parametrize("think_special", [False, True])
+def test_completion_text_keeps_think_end_whatever_its_special_flag(monkeypatch, think_special):
+    # the tiny tokenizer, its <think> and </think> added as special tokens when `think_special`
+    def added_token(content, special=False, normalized=True):
+        special = special or (think_special and content in tiny.THINK_TOKENS)
+        return tokenizers.AddedToken(content, special=special, normalized=normalized)
+
+    monkeypatch.setattr(tiny, "AddedToken", added_token)
+    tok = tiny.build_tokenizer()
+    assert tok.added_tokens_decoder[THINK_END].special == think_special
+    # "hi", <|im_start|>, <think>, "x é", </think>, " 4", <|im_end|>, <|endoftext|>
+    ids = [104, 105, 257, 259, 120, 32, 195, 169, THINK_END, 32, 52, EOS, 256]
+    # the special ids dropped, </think> kept either way, <think> only where it is not special
+    text = "hi" + ("" if think_special else "<think>") + "x \u00e9</think> 4"
+    assert generate.completion_text(tok, ids) == text
+
+
 def test_versions_from_spans():
     span = lambda v, s, e: SimpleNamespace(version=str(v), start=s, end=e)
     assert engine.versions_from_spans([span(3, 0, 2), span(4, 2, 5)], 5) == [3, 3, 4, 4, 4]
@@ -239,6 +257,53 @@ def test_start_engine_checks_nice_before_anything_starts(monkeypatch):
     args = SimpleNamespace()
     assert engine.start_engine(args, {}, nice=19) == (None, [], [])  # the patch is what runs
     assert started == [args]
+
+
+def test_engine_refuses_a_kv_cache_over_free_memory_before_it_starts(monkeypatch):
+    """On CPU a KV cache larger than the free memory is one line naming --kv-cache-gib, what was
+    asked and what is free, raised before vLLM starts a process."""
+    started = []
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engine, "start_engine", lambda *a: started.append(a) or (None, [], []))
+    monkeypatch.setattr(engine.psutil, "virtual_memory", lambda: SimpleNamespace(available=3 << 30))
+    with pytest.raises(config.BadInput) as e:
+        engine.Engine("/nonexistent/model", kv_cache_gib=2.0, data_parallel_size=2)
+    assert str(e.value) == (
+        "--kv-cache-gib 2: 2 vLLM KV cache(s) on CPU ask for 4.0 GiB, only 3.0 GiB of memory is "
+        "free: lower --kv-cache-gib (or free memory)"
+    )
+    assert e.value.code == 1 and started == []
+    engine.Engine("/nonexistent/model", kv_cache_gib=1.5, data_parallel_size=2)  # 3 GiB fits
+    assert len(started) == 1
+
+
+def test_an_engine_that_fails_to_start_is_one_line_naming_the_memory_flag(monkeypatch):
+    """vLLM 0.32's parent-side error when its engine core died starting (the cause is printed by
+    that process) becomes one line naming the flag that sizes vLLM's memory; other errors pass."""
+
+    def fail(args):
+        raise RuntimeError("Engine core initialization failed. See root cause above. ...")
+
+    monkeypatch.setattr(engine.AsyncLLM, "from_engine_args", fail)
+    for args, hint in [
+        (
+            SimpleNamespace(kv_cache_memory_bytes=3 << 29, gpu_memory_utilization=0.85),
+            "lower --kv-cache-gib (asked 1.5 GiB of KV cache per worker)",
+        ),
+        (
+            SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.85),
+            "lower --gpu-memory-utilization (asked 0.85 of each GPU)",
+        ),
+    ]:
+        with pytest.raises(config.BadInput) as e:
+            engine.start_engine(args, {})
+        assert str(e.value) == (
+            f"the vLLM engine did not start (its error is above); if it is memory: {hint}"
+        )
+        assert e.value.code == 1 and e.value.__cause__ is None and e.value.__suppress_context__
+    monkeypatch.setattr(engine.AsyncLLM, "from_engine_args", lambda a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.start_engine(SimpleNamespace(), {})
 
 
 def test_sync_client_uses_each_label_once():

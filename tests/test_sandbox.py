@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tasks import code_reward
+from tasks import code_reward, sandbox
 
 TIMEOUT = 2.0  # seconds, the limit each hostile completion runs under
 SLACK = 2.0  # the containment the acceptance asks for: within the limit + 2 s
@@ -78,6 +78,113 @@ def test_infinite_loop_times_out():
 def test_memory_bomb_hits_the_address_space_limit(code, timeout):
     reward, why, elapsed = run_contained(code, "1", timeout)
     assert (reward, why) == (0.0, "memory") and elapsed < timeout + SLACK
+
+
+def shmem() -> int:
+    """Bytes of shared memory the host holds (/proc/meminfo's Shmem): every tmpfs file, SysV
+    segment and memfd, a sandbox's included."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Shmem:"))
+
+
+FILL = """import os
+written = 0
+try:
+    for i in range({files}):
+        fd = os.open(f"{path}/f{{i}}", os.O_CREAT | os.O_WRONLY)
+        written += os.write(fd, bytes(1 << 20))
+        os.close(fd)
+except OSError:
+    {on_error}
+print(written)
+"""
+
+
+def watch_shmem(code: str, expected: str) -> tuple[str, int, int]:
+    """Grade `code` while a thread samples the host's Shmem every 10 ms -> (reason, its peak rise,
+    its change from before to after), in bytes. A tmpfs is freed tens of milliseconds after its
+    namespace's last process is gone, so `before` waits for Shmem to stand still and `after` for
+    it to come back, each for at most 2 s; memory that stays held never comes back."""
+
+    def settled(done) -> int:
+        value = shmem()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            value, last = shmem(), value
+            if done(value, last):
+                break
+        return value
+
+    before = settled(lambda value, last: abs(value - last) < 1 << 20)
+    peak = [before]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], shmem())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        reward, why, elapsed = run_contained(code, expected)
+    finally:
+        done.set()
+        watcher.join()
+    assert elapsed < TIMEOUT + SLACK
+    after = settled(lambda value, last: abs(value - before) < 1 << 20)
+    return why, peak[0] - before, after - before
+
+
+@pytest.mark.parametrize("path,cap", [("/dev/shm", sandbox.SHM), ("/tmp", sandbox.TMPFS)])
+def test_filling_a_writable_filesystem_stops_at_its_cap_as_memory(path, cap):
+    files = 2 * cap >> 20  # 1 MiB files: twice the cap
+    # caught, the writes stop at the cap exactly (a tmpfs counts whole pages; 1 MiB is 256 pages)
+    code = FILL.format(files=files, path=path, on_error="pass")
+    assert run_contained(code, str(cap))[:2] == (1.0, "passed")
+    # Uncaught, the program ends as "memory"; the host's shared memory rises by the cap while the
+    # sandbox holds it (the program waits 0.3 s there; uncapped it would rise by twice the cap) and
+    # falls back when the sandbox ends. Shmem, not MemAvailable: on this shared machine the latter
+    # drifts by tens of MiB a second with other processes; Shmem counts only shared memory (every
+    # tmpfs file), still shared with others' sandboxes and workers: 4 MiB of tolerance, a quarter
+    # of the smallest cap, and up to 3 tries, so that another process's shared memory coming and
+    # going during one try cannot fail it (a cap that does not hold fails every try).
+    tolerance = 4 << 20
+    code = FILL.format(
+        files=files, path=path, on_error="import time\n    time.sleep(0.3)\n    raise"
+    )
+    for _ in range(3):
+        why, rise, change = watch_shmem(code, str(cap))
+        assert why == "memory"
+        if abs(rise - cap) < tolerance and abs(change) < tolerance:
+            break
+    assert abs(rise - cap) < tolerance and abs(change) < tolerance, (rise, change)
+
+
+def test_what_would_hold_memory_outside_the_caps_is_refused():
+    # each of these holds host memory that RLIMIT_AS does not count: /dev (--dev's unsized tmpfs),
+    # a memfd, a SysV segment or message queue (they outlive a detach), a kernel key, and the
+    # kernel buffers of 64 pipes (128 descriptors: over FILES)
+    add_key = 248 if os.uname().machine == "x86_64" else 217
+    code = f"""import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+made = []
+for name, call in [
+    ("dev", lambda: open("/dev/x", "w")),
+    ("memfd", lambda: os.memfd_create("x")),
+    ("shm", lambda: libc.shmget(0, 1 << 20, 0o1600)),  # IPC_PRIVATE, IPC_CREAT | 0600
+    ("msg", lambda: libc.msgget(0, 0o1600)),
+    ("key", lambda: libc.syscall({add_key}, b"user", b"k", b"v", 1, -4)),  # the user keyring
+    ("fds", lambda: [os.pipe() for _ in range(64)]),
+]:
+    try:
+        made.append((name, call()))
+    except OSError:
+        pass
+print([name for name, r in made if not isinstance(r, int) or r >= 0])
+"""
+    assert run_contained(code, "[]")[:2] == (1.0, "passed")
 
 
 @pytest.mark.parametrize(

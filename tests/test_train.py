@@ -367,6 +367,30 @@ def test_bad_input_found_loading_one_line_exit_1_no_run_dir(tmp_path, case):
         assert ("CPU-sized defaults" in out.stdout and "steps 100," in out.stdout) == cpu
 
 
+@pytest.mark.slow
+def test_kv_cache_larger_than_free_memory_one_line_exit_1_no_run_dir(tmp_path):
+    """On CPU, --kv-cache-gib 10000 (two engines: 20000 GiB, more than any machine here holds) is
+    refused at load in one line naming the flag, what was asked and what is free, exit 1, no run
+    directory, before vLLM loads (it would fail in its engine-core process: pages of tracebacks)."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path whatever the machine
+    argv = ["--kv-cache-gib", "10000", "--run-dir", str(run_dir)]
+    out = subprocess.run(
+        [sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    free = psutil.virtual_memory().available / 2**30
+    errors = out.stderr.splitlines()
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    line = re.fullmatch(
+        r"train\.py: --kv-cache-gib 10000: 2 vLLM KV cache\(s\) on CPU ask for 20000\.0 GiB, only "
+        r"([0-9.]+) GiB of memory is free: lower --kv-cache-gib \(or free memory\)",
+        errors[0],
+    )
+    assert line, errors[0]
+    assert abs(float(line[1]) - free) < 2.0  # what was free then, give or take others' use
+    assert not run_dir.exists()
+
+
 def test_unknown_model_gets_cpu_sized_defaults_without_cuda(monkeypatch):
     monkeypatch.setattr(config, "has_cuda", lambda: False)
     a = config.parse_args(["--model", "org/any-model"])
