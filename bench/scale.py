@@ -428,7 +428,7 @@ class SimTrainer:
                     rep.evals.append((*e, self.now() - sim0))
                     self.out(
                         f"    eval of version {e[0]} done at {fmt_h(self.now() - sim0)}: "
-                        f"queued {fmt_h(e[1])}, ran {fmt_h(e[2])} (simulated)"
+                        f"ran {fmt_h(e[2])} (simulated)"
                     )
             for e in self.collect(eval_engine):
                 rep.evals.append((*e, self.now() - sim0))
@@ -483,7 +483,8 @@ class SimTrainer:
     def collect(self, eval_engine) -> list[tuple[int, float, float]]:
         """The evals finished since the last call: (version, queued_s, eval_s). eval_s is
         simulated (the EvalEngine times an eval on its loop's clock, IdleLoop's); queued_s is its
-        wall seconds x time scale, an approximation (the trainer's clock). Raises a failed eval's
+        wall seconds x time scale, the trainer thread's clock, which counts the clients' CPU time:
+        not printed. Raises a failed eval's
         error (RunLog.log_evals: the run stops)."""
         return [(r.version, r.queued_s * self.K, r.eval_s * self.K) for r in eval_engine.results()]
 
