@@ -508,11 +508,12 @@ class SimTrainer:
         self.sleep(pipe.loop, train_s)
         version = step + 1
         # an eval step waits for room in the eval queue (RunLog.await_eval_room)
-        t_wait = self.now()
         evaluating = version % eval_every == 0 or version == steps
+        eval_wait = 0.0
         if evaluating:
+            t_wait = self.now()
             eval_engine.wait(eval_engine.max_evals_pending - 1, timeout=self.safety_s)
-        eval_wait = self.now() - t_wait
+            eval_wait = self.now() - t_wait
         out_dir = pipe.weights_dir(version)
         open(os.path.join(out_dir, DUMMY_WEIGHTS), "w").close()
         if evaluating:  # before publish: the sampler deletes the directory once loaded
