@@ -232,8 +232,8 @@ PAPER_GEN = dict(
     eval_n=16,
     eval_every=100,
     fit_from=None,  # FIT_FROM_FRACTION of the run (departure 7)
-    # a step of 768 rollouts: ~8 min on 8 x H200, ~11 on H100 (bench/scale.py, simulated, 3/4/1),
-    # so a kill loses at most ~1-1.5 h; a checkpoint (~100 s for 8B) costs ~2% of the run
+    # a kill loses at most 8 steps, ~1-1.5 h of a node (simulated step times: docs/results.md); a
+    # checkpoint (~100 s for 8B) costs ~2% of the run
     save_every=8,
     warmup_steps=100,
     steps=5000,

@@ -551,9 +551,13 @@ class Pipeline:
         """Run send() in a thread until it returns (raising what it raised) or the engine dies or
         `timeout` s pass: then abort(why), a grace for send() to return, and raise."""
         out = {}
+        # the device is per thread: the send's gathers and broadcast run on the caller's
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def run():
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 send()
             except BaseException as e:  # re-raised in the calling thread
                 out["error"] = e

@@ -279,7 +279,7 @@ class Engine:
         args = engine_args(
             model, cuda=cuda, seed=seed, weight_transfer=self.weight_transfer, **kwargs
         )
-        if not cuda:
+        if not cuda and args.kv_cache_memory_bytes is not None:  # None: a fraction of RAM
             check_cpu_memory(args.kv_cache_memory_bytes, devices)
         env = dict(env or {})
         if gpus is not None:  # inherited by the engine processes spawned below

@@ -46,8 +46,8 @@ from tasks import math_reward
 EVALS_PENDING = 2
 # an eval's rollouts in flight at most, in units of the engine's running slots (max_num_seqs x
 # dp): each slot has a rollout running and one waiting behind it, so the slots stay full while
-# finished ones are replaced; submitted all at once, 17,000 rollouts had their first group done
-# only after ~every thinking phase, hours past gen_timeout (issue 25)
+# finished ones are replaced; an eval submitted whole finishes its first group only after about
+# every thinking phase, past any sane no-progress timeout (issue 25)
 EVAL_SLOTS_FACTOR = 2
 # the no-progress check runs this many times per gen_timeout (so it raises at most a quarter late)
 PROGRESS_CHECKS = 4

@@ -33,11 +33,8 @@ Where the estimates depart from a measurement, and why:
 3. Concurrency: an engine's max_num_seqs is KV_OVERCOMMIT (3) x the max_model_len sequences its KV
    cache holds, not 1 x: a rollout holds about a third of max_model_len on average over its life
    (KV_OVERCOMMIT's comment), and when the cache runs out vLLM preempts a sequence and recomputes
-   it later, which costs far less than the decoding the extra concurrency adds. Simulated
-   (bench/vllm_sim.py, not measured), qwen3-8b, 48 x 16 two-phase rollouts on one engine: at 1 x
-   (22 sequences on an H100) the KV cache is 32% used on average; at 3 x (66) throughput is 54%
-   higher (H200, 46 -> 138: 33%) for ~1 preemption per rollout; at 4 x it gains ~1% more while
-   preemptions triple.
+   it later, which costs far less than the decoding the extra concurrency adds; 4 x adds little
+   throughput for many more preemptions (simulated with bench/vllm_sim.py: docs/results.md).
 """
 
 import math

@@ -822,11 +822,12 @@ def test_log_stats_asks_vllm_every_interval_until_cancelled_and_the_sampler_thre
 
     async def timed(client):
         task = asyncio.ensure_future(engine.log_stats(client, interval=0.05))
-        await asyncio.sleep(0.275)  # intervals end at 0.05, 0.10, ..., 0.25: 5 calls
+        await asyncio.sleep(0.275)  # intervals end at 0.05, 0.10, ..., 0.25: 5 calls at most
         task.cancel()
         return client.calls
 
-    assert asyncio.run(timed(Client(True))) == 5
+    # asyncio's sleeps never end early (5 at most); a loaded machine may run them late (1 at least)
+    assert 1 <= asyncio.run(timed(Client(True))) <= 5
 
     for on in (True, False):
         client = Client(on)
