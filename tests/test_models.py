@@ -2,14 +2,14 @@
 more than hidden @ W.T, a tiny random model (built here from its transformers 5.19 config, saved,
 then loaded by loading.load_model and wrapped by train.build as a run does) either gets the model's
 own log-probs from the policy (max |delta logp| <= 1e-4 in fp32 against log_softmax of its own
-forward's logits: Cohere's (1, 2, 2-MoE) logit_scale, Granite's (dense, MoE, MoE-shared, MoE-hybrid)
-and MiniCPM3's logits_scaling divisor, HyperCLOVAX's multiplier, Falcon-H1's lm_head_multiplier,
-Gemma 3 without a soft cap) or is refused in one line naming the config field or module (Gemma
-2/3/3n/4's final_logit_softcapping, GPT-J's head bias), also through train.py itself (exit 1, no
-traceback, no run directory). Decoder layers are found where each family keeps them (GPT-2 at
-transformer.h, OPT at model.decoder.layers). Dropout in a config (OPT's 0.1, GPT-2's pdrops) is off
-in the trainer: two log-prob calls on the same tokens agree bit for bit, gradients reach every layer
-and activation checkpointing still recomputes each layer in backward."""
+forward's logits: Cohere's (1, 2, 2-MoE) logit_scale, Granite's (dense, MoE, MoE-shared, MoE-hybrid,
+SWA, MoE-SWA) and MiniCPM3's logits_scaling divisor, HyperCLOVAX's multiplier, Falcon-H1's
+lm_head_multiplier, Gemma 3 without a soft cap) or is refused in one line naming the config field or
+module (Gemma 2/3/3n/4's final_logit_softcapping, GPT-J's head bias), also through train.py itself
+(exit 1, no traceback, no run directory). Decoder layers are found where each family keeps them
+(GPT-2 at transformer.h, OPT at model.decoder.layers). Dropout in a config (OPT's 0.1, GPT-2's
+pdrops) is off in the trainer: two log-prob calls on the same tokens agree bit for bit, gradients
+reach every layer and activation checkpointing still recomputes each layer in backward."""
 
 import os
 import subprocess
@@ -63,6 +63,11 @@ EXACT = {
             **MOE,
         ),
     ),
+    "granite_swa": (  # one full-attention layer, one sliding-window
+        "GraniteSWAConfig",
+        dict(logits_scaling=0.25, sliding_window=8),
+    ),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(logits_scaling=0.25, sliding_window=8, **MOE)),
     "cohere2_moe": (  # one sliding-window layer, one full
         "Cohere2MoeConfig",
         dict(
