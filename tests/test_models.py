@@ -5,11 +5,11 @@ own log-probs from the policy (max |delta logp| <= 1e-4 in fp32 against log_soft
 forward's logits: Cohere's (1, 2, 2-MoE) logit_scale, Granite's (dense, MoE, MoE-shared, MoE-hybrid,
 SWA, MoE-SWA) and MiniCPM3's logits_scaling divisor, HyperCLOVAX's multiplier, Falcon-H1's
 lm_head_multiplier, Gemma 3 without a soft cap) or is refused in one line naming the config field or
-module (Gemma 2/3/3n/4's final_logit_softcapping, GPT-J's head bias), also through train.py itself
-(exit 1, no traceback, no run directory). Decoder layers are found where each family keeps them
-(GPT-2 at transformer.h, OPT at model.decoder.layers). Dropout in a config (OPT's 0.1, GPT-2's
-pdrops) is off in the trainer: two log-prob calls on the same tokens agree bit for bit, gradients
-reach every layer and activation checkpointing still recomputes each layer in backward."""
+module (Gemma 2/3/3n/4's final_logit_softcapping, GPT-J's and PhiMoE's head bias), also through
+train.py itself (exit 1, no traceback, no run directory). Decoder layers are found where each family
+keeps them (GPT-2 at transformer.h, OPT at model.decoder.layers). Dropout in a config (OPT's 0.1,
+GPT-2's pdrops) is off in the trainer: two log-prob calls on the same tokens agree bit for bit,
+gradients reach every layer and activation checkpointing still recomputes each layer in backward."""
 
 import os
 import subprocess
@@ -134,6 +134,12 @@ REFUSED = {
             sliding_window=8,
         ),
         SOFTCAP.format(field="final_logit_softcapping"),
+    ),
+    "phimoe": (  # Phi-3.5-MoE's lm_head_bias; vLLM 0.32 loads the bias but never adds it
+        "PhimoeConfig",
+        dict(lm_head_bias=True, **MOE),
+        "its LM head has a bias (PhimoeForCausalLM), which the trainer's fp32 head would neither "
+        "apply nor train; not supported",
     ),
     "gptj": (
         "GPTJConfig",
