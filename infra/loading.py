@@ -42,6 +42,8 @@ LOGIT_SCALES = {
     "granitemoe": ("logits_scaling", -1),
     "granitemoeshared": ("logits_scaling", -1),
     "granitemoehybrid": ("logits_scaling", -1),
+    "granite_swa": ("logits_scaling", -1),  # vLLM 0.32 serves it as Granite
+    "granitemoe_swa": ("logits_scaling", -1),  # vLLM 0.32 serves it as GraniteMoeShared
     "hyperclovax": ("logits_scaling", 1),  # muP: a multiplier here, a divisor in Granite
     "falcon_h1": ("lm_head_multiplier", 1),
     "minicpm3": ("logits_scaling", -1),

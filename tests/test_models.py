@@ -2,14 +2,14 @@
 more than hidden @ W.T, a tiny random model (built here from its transformers 5.19 config, saved,
 then loaded by loading.load_model and wrapped by train.build as a run does) either gets the model's
 own log-probs from the policy (max |delta logp| <= 1e-4 in fp32 against log_softmax of its own
-forward's logits: Cohere's logit_scale, Granite's and MiniCPM3's logits_scaling divisor,
-HyperCLOVAX's multiplier, Falcon-H1's lm_head_multiplier, Gemma 3 without a soft cap) or is refused
-in one line naming the config field or module (Gemma 2/3/4's final_logit_softcapping, GPT-J's head
-bias), also through train.py itself (exit 1, no traceback, no run directory). Decoder layers are
-found where each family keeps them (GPT-2 at transformer.h, OPT at model.decoder.layers). Dropout
-in a config (OPT's 0.1, GPT-2's pdrops) is off in the trainer: two log-prob calls on the same tokens
-agree bit for bit, gradients reach every layer and activation checkpointing still recomputes each
-layer in backward."""
+forward's logits: Cohere's (1, 2, 2-MoE) logit_scale, Granite's (dense, MoE, MoE-shared, MoE-hybrid,
+SWA, MoE-SWA) and MiniCPM3's logits_scaling divisor, HyperCLOVAX's multiplier, Falcon-H1's
+lm_head_multiplier, Gemma 3 without a soft cap) or is refused in one line naming the config field or
+module (Gemma 2/3/3n/4's final_logit_softcapping, GPT-J's and PhiMoE's head bias), also through
+train.py itself (exit 1, no traceback, no run directory). Decoder layers are found where each family
+keeps them (GPT-2 at transformer.h, OPT at model.decoder.layers). Dropout in a config (OPT's 0.1,
+GPT-2's pdrops) is off in the trainer: two log-prob calls on the same tokens agree bit for bit,
+gradients reach every layer and activation checkpointing still recomputes each layer in backward."""
 
 import os
 import subprocess
@@ -51,6 +51,33 @@ EXACT = {
     "granite": ("GraniteConfig", dict(logits_scaling=0.25)),
     "granitemoe": ("GraniteMoeConfig", dict(logits_scaling=0.25, **MOE)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(logits_scaling=0.25, **MOE)),
+    "granitemoehybrid": (  # one Mamba-2 layer, one attention layer; 4 heads of 16 = 2 x 32
+        "GraniteMoeHybridConfig",
+        dict(
+            logits_scaling=0.25,
+            shared_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention"],
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_chunk_size=16,
+            **MOE,
+        ),
+    ),
+    "granite_swa": (  # one full-attention layer, one sliding-window
+        "GraniteSWAConfig",
+        dict(logits_scaling=0.25, sliding_window=8),
+    ),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(logits_scaling=0.25, sliding_window=8, **MOE)),
+    "cohere2_moe": (  # one sliding-window layer, one full
+        "Cohere2MoeConfig",
+        dict(
+            logit_scale=3.0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            sliding_window_pattern=2,
+        ),
+    ),
     "hyperclovax": ("HyperCLOVAXConfig", dict(logits_scaling=3.0)),
     "falcon_h1": (
         "FalconH1Config",
@@ -95,6 +122,24 @@ REFUSED = {
             vocab_size_per_layer_input=V,
         ),
         SOFTCAP.format(field="final_logit_softcapping"),
+    ),
+    "gemma3n_text": (  # no KV sharing across 2 layers; AltUp, LAuReL and per-layer inputs small
+        "Gemma3nTextConfig",
+        dict(
+            final_logit_softcapping=30.0,
+            num_kv_shared_layers=0,
+            laurel_rank=4,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=V,
+            sliding_window=8,
+        ),
+        SOFTCAP.format(field="final_logit_softcapping"),
+    ),
+    "phimoe": (  # Phi-3.5-MoE's lm_head_bias; vLLM 0.32 loads the bias but never adds it
+        "PhimoeConfig",
+        dict(lm_head_bias=True, **MOE),
+        "its LM head has a bias (PhimoeForCausalLM), which the trainer's fp32 head would neither "
+        "apply nor train; not supported",
     ),
     "gptj": (
         "GPTJConfig",
