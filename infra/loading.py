@@ -76,6 +76,15 @@ def logit_scale(lm) -> float:
         )
     field, power = LOGIT_SCALES.get(text.model_type, (None, 0))
     if field is None:
+        # vLLM 0.32's Llama and the families built on it (llama.py, exaone, nemotron, solar, ...)
+        # multiply their logits by a config's logit_scale, which transformers' forward ignores
+        extra = getattr(text, "logit_scale", None)
+        if extra is not None and extra != 1:
+            raise ValueError(
+                f"logit_scale {extra}: vLLM 0.32 scales this model's logits by it and its "
+                "transformers forward does not, so the sampler's log-probs would not be the "
+                "trainer's; not supported"
+            )
         return 1.0
     return float(getattr(text, field)) ** power
 

@@ -141,6 +141,12 @@ REFUSED = {
         "its LM head has a bias (PhimoeForCausalLM), which the trainer's fp32 head would neither "
         "apply nor train; not supported",
     ),
+    "llama": (  # vLLM 0.32's llama.py multiplies its logits by it; transformers' Llama does not
+        "LlamaConfig",
+        dict(logit_scale=2.0),
+        "logit_scale 2.0: vLLM 0.32 scales this model's logits by it and its transformers forward "
+        "does not, so the sampler's log-probs would not be the trainer's; not supported",
+    ),
     "gptj": (
         "GPTJConfig",
         dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, rotary_dim=8),
