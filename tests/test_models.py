@@ -135,6 +135,23 @@ REFUSED = {
         ),
         SOFTCAP.format(field="final_logit_softcapping"),
     ),
+    "vaultgemma": ("VaultGemmaConfig", {}, SOFTCAP.format(field="final_logit_softcapping")),
+    "recurrent_gemma": (  # one recurrent block and one attention block, their widths tiny
+        "RecurrentGemmaConfig",
+        dict(
+            block_types=["recurrent", "attention"],
+            lru_width=32,
+            attention_window_size=8,
+            conv1d_width=4,
+        ),
+        SOFTCAP.format(field="logits_soft_cap"),
+    ),
+    "nanochat": (
+        "NanoChatConfig",
+        {},
+        "final_logit_softcapping 15.0: the trainer's fp32 head has no logit soft-capping, so its "
+        "log-probs would not be the sampler's; not supported",
+    ),
     "phimoe": (  # Phi-3.5-MoE's lm_head_bias; vLLM 0.32 loads the bias but never adds it
         "PhimoeConfig",
         dict(lm_head_bias=True, **MOE),
