@@ -53,14 +53,15 @@ LOGIT_SCALES = {
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
 
 
-def logit_scale(lm) -> float:
+def head_scale(model_config) -> float:
     """The factor the model's own causal-LM head multiplies hidden @ W.T by (LOGIT_SCALES; 1.0 for
-    a plain head), which train.Policy folds into the temperature: log_softmax(logits * s / T) is
-    what vLLM samples from. Raises ValueError naming the config field or module for a head that
-    does more than that: logit soft-capping (SOFTCAP_FIELDS, when set) or a bias on the LM head
-    (GPT-J's), which the fp32 head (loss.token_logprobs) would skip, so that the trainer's
-    log-probs would not be the sampler's (issue 26)."""
-    text = lm.config.get_text_config()
+    a plain head), read from its config, which train.Policy folds into the temperature:
+    log_softmax(logits * s / T) is what vLLM samples from. Raises ValueError naming the config
+    field for a head that does more than that, which the fp32 head (loss.token_logprobs) would
+    skip, so that the trainer's log-probs would not be the sampler's (issue 26): logit soft-capping
+    (SOFTCAP_FIELDS, when set), or a logit_scale that vLLM applies and transformers does not.
+    Config only: load_model refuses such a model before loading its weights."""
+    text = model_config.get_text_config()
     for field in SOFTCAP_FIELDS:
         cap = getattr(text, field, None)
         if cap is not None:
@@ -68,12 +69,6 @@ def logit_scale(lm) -> float:
                 f"{field} {cap}: the trainer's fp32 head has no logit soft-capping, so its "
                 "log-probs would not be the sampler's; not supported"
             )
-    head = lm.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(
-            f"its LM head has a bias ({type(lm).__name__}), which the trainer's fp32 head would "
-            "neither apply nor train; not supported"
-        )
     field, power = LOGIT_SCALES.get(text.model_type, (None, 0))
     if field is None:
         # vLLM 0.32's Llama and the families built on it (llama.py, exaone, nemotron, solar, ...)
@@ -87,6 +82,19 @@ def logit_scale(lm) -> float:
             )
         return 1.0
     return float(getattr(text, field)) ** power
+
+
+def logit_scale(lm) -> float:
+    """`head_scale` of a loaded model, which also must have no bias on its LM head (GPT-J's,
+    Phi-3.5-MoE's): the fp32 head would neither apply nor train it. Raises ValueError naming the
+    field or module."""
+    head = lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"its LM head has a bias ({type(lm).__name__}), which the trainer's fp32 head would "
+            "neither apply nor train; not supported"
+        )
+    return head_scale(lm.config)
 
 
 def decoder_layers(lm) -> list:
@@ -324,6 +332,13 @@ def load_model(args: Args, path: str):
     torch.manual_seed(args.seed)
     try:
         model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--model {args.model}: cannot load its weights: {one_line(e)}", 1) from e
+    try:
+        head_scale(model_config)  # before the weights: a refused model is never loaded
+    except ValueError as e:
+        raise BadInput(f"--model {args.model}: {e}", 1) from None
+    try:
         without_dropout(model_config)
         lm = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch.float32)
     except (OSError, ValueError) as e:

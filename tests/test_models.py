@@ -252,6 +252,20 @@ def test_a_head_the_trainer_cannot_compute_is_refused_in_one_line(tmp_path, fami
     assert str(info.value) == f"--model {path}: {line}" and info.value.code == 1
 
 
+def test_a_soft_capped_model_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    """The config alone refuses it: a large Gemma 2 never takes memory for weights it cannot
+    train."""
+    path = save_model(tmp_path / "gemma2", *REFUSED["gemma2"][:2])
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(config.BadInput) as info:
+        loading.load_model(config.Args(model=path), path)
+    assert str(info.value) == f"--model {path}: {REFUSED['gemma2'][2]}"
+
+
 def test_train_py_refuses_gemma2_in_one_line_exit_1_no_run_dir(tmp_path):
     """Through train.py: the line, exit code 1, no traceback, no run directory."""
     path = save_model(tmp_path / "gemma2", *REFUSED["gemma2"][:2])
