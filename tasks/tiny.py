@@ -39,7 +39,13 @@ import shutil
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tasks import arith, data
@@ -121,12 +127,40 @@ def model_config(
     )
 
 
-def random_model(path: str, *, seed: int = 0, **config_kwargs) -> str:
-    """Save a randomly initialised small Qwen3 and the byte tokenizer to `path` (loadable by
-    transformers and vLLM); returns `path`. `config_kwargs` go to `model_config`."""
+def moe_config(
+    tokenizer, *, experts: int = 8, experts_per_token: int = 2, expert_size: int = 96, **dense_kw
+) -> Qwen3MoeConfig:
+    """A small Qwen3-MoE config: `model_config`'s attention and sizes (`dense_kw`), every layer's
+    MLP replaced by `experts` SwiGLU experts of width `expert_size`, `experts_per_token` routed per
+    token (top-k of a softmax router, renormalised, as Qwen3-30B-A3B). The router's load-balancing
+    loss is off (output_router_logits=False, transformers' default)."""
+    dense = model_config(tokenizer, **dense_kw).to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    keep += ("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+    keep += ("tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id")
+    return Qwen3MoeConfig(
+        **{k: dense[k] for k in keep},
+        num_experts=experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=expert_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        dtype="float32",
+    )
+
+
+def random_model(path: str, *, seed: int = 0, experts: int = 0, **config_kwargs) -> str:
+    """Save a randomly initialised small Qwen3 (a Qwen3-MoE of `experts` experts if not 0:
+    `moe_config`) and the byte tokenizer to `path` (loadable by transformers and vLLM); returns
+    `path`. `config_kwargs` go to `model_config` / `moe_config`."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(model_config(tokenizer, **config_kwargs))
+    if experts:
+        model = Qwen3MoeForCausalLM(moe_config(tokenizer, experts=experts, **config_kwargs))
+    else:
+        model = Qwen3ForCausalLM(model_config(tokenizer, **config_kwargs))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
