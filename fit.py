@@ -79,16 +79,19 @@ def _finite(C, R, R0):
     return C, R
 
 
-def _validate(C, R, R0, c_min):
-    """The checks every fit needs; drops C < c_min (A.5 step 1). Returns float64 (C, R) to fit."""
+def _validate(C, R, R0, fit_from):
+    """The checks every fit needs; drops C < fit_from (A.5 step 1). Returns float64 (C, R) to
+    fit."""
     C, R = _finite(C, R, R0)
     if np.any(C < 0):
         raise ValueError(f"negative compute at indices {np.flatnonzero(C < 0).tolist()}")
-    C, R = C[C >= c_min], R[C >= c_min]
+    C, R = C[C >= fit_from], R[C >= fit_from]
     if np.any(C == 0):
-        raise ValueError("compute 0 is outside the curve's domain (ln C): it is R0; raise c_min")
+        raise ValueError("compute 0 is outside the curve's domain (ln C): it is R0; raise fit_from")
     if (n_c := np.unique(C).size) < 4:
-        raise ValueError(f"{n_c} distinct compute values at C >= c_min={c_min}; need at least 4")
+        raise ValueError(
+            f"{n_c} distinct compute values at C >= fit_from={fit_from}; need at least 4"
+        )
     if not R0 < 1:
         raise ValueError(f"R0={R0} must be below 1, the largest possible A")
     if np.ptp(R) <= 1e-12 * max(1.0, np.abs(R).max()):
@@ -281,17 +284,17 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
 
 
 def fit_sigmoid(
-    C, R, R0, *, A=None, c_min=0.0, method: Method = "fast", grid_A=None, grid_C_mid=None
+    C, R, R0, *, A=None, fit_from=0.0, method: Method = "fast", grid_A=None, grid_C_mid=None
 ) -> SigmoidFit:
     """Fits Eq. 1 to pass rate R (1-D) against compute C (1-D, any unit) with R0 fixed (§2.1,
-    A.5), on the points with C >= c_min (A.5: 1,500 GPU-hours). A given: the §4 comparison
+    A.5), on the points with C >= fit_from (A.5: 1,500 GPU-hours). A given: the §4 comparison
     rule's fixed-A refit (B, C_mid fitted). method="grid": A.5 over grid_A x grid_C_mid (default:
     the paper's grids, for GPU-hours); "fast": multi-start least squares, scale-free. A free fit
     gets A's profile interval and the identifiability rule (_identify). Raises ValueError on
     NaN/inf, negative or zero compute, < 4 distinct C, flat or non-increasing R, R0 >= 1, A outside
     (R0, 1]; RuntimeError when every grid point fails. A fit on a bound, with infinite covariance,
     on the grid's edge or with A not identified returns converged=False with the reason."""
-    C, R = _validate(C, R, R0, c_min)
+    C, R = _validate(C, R, R0, fit_from)
     if A is not None and not R0 < A <= 1:
         raise ValueError(f"fixed A={A} must lie in (R0={R0}, 1]")
     if method not in ("fast", "grid"):
@@ -323,13 +326,13 @@ class Bootstrap:
     n_failed: int  # degenerate resamples (< 4 distinct C, flat), refits not converged/identified
 
 
-def bootstrap(fit: SigmoidFit, C, R, *, c_min=0.0, n_boot=200, level=0.95, seed=0) -> Bootstrap:
+def bootstrap(fit: SigmoidFit, C, R, *, fit_from=0.0, n_boot=200, level=0.95, seed=0) -> Bootstrap:
     """Pairs bootstrap (ours; §4 gives only the margin A_MARGIN): resample the fit points (C, R,
-    c_min: those `fit` was fitted on) with replacement, refit each as fit_sigmoid fits (fast: every
-    basin of its scan, then _identify; A fixed for a fixed-A fit) and take the central `level`
+    fit_from: those `fit` was fitted on) with replacement, refit each as fit_sigmoid fits (fast:
+    every basin of its scan, then _identify; A fixed for a fixed-A fit) and take the central `level`
     percentile interval of the converged refits. Unfittable resamples and refits not converged (A
     not identified too) are failed. No resampling if `fit` did not converge; NaN if < 2 converge."""
-    C, R = _validate(C, R, fit.R0, c_min)
+    C, R = _validate(C, R, fit.R0, fit_from)
     rng = np.random.default_rng(seed)
     draws = []  # (A, B, C_mid) of each converged refit
     for _ in range(n_boot if fit.converged else 0):  # around a non-answer resampling means nothing
@@ -356,11 +359,11 @@ class Comparison:
     rule: str  # which rule decided, and any fit not converged
 
 
-def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
+def compare(runs, *, fit_from=0.0, margin=A_MARGIN) -> Comparison:
     """§4, A.5 (Fig 8a). runs: [(C, R, R0), ...]. If the fitted A all lie within `margin`
     (max - min < margin), refit every run with A fixed at their mean: the highest B scales best.
     Otherwise the highest A wins (A.8: the ceiling first). Raises as fit_sigmoid."""
-    fits = [fit_sigmoid(C, R, R0, c_min=c_min) for C, R, R0 in runs]
+    fits = [fit_sigmoid(C, R, R0, fit_from=fit_from) for C, R, R0 in runs]
     As = np.array([f.A for f in fits])
     if np.ptp(As) >= margin:
         A_shared = None
@@ -369,7 +372,7 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
         rule = f"A spread {np.ptp(As):.3f} >= {margin}: higher A"
     else:
         A_shared = float(As.mean())
-        refits = [fit_sigmoid(C, R, R0, A=A_shared, c_min=c_min) for C, R, R0 in runs]
+        refits = [fit_sigmoid(C, R, R0, A=A_shared, fit_from=fit_from) for C, R, R0 in runs]
         best = int(np.argmax([f.B for f in refits]))
         rule = f"A within {margin}: refit at mean A={A_shared:.4f}, higher B"
     bad = [k for k, f in enumerate(fits + (refits or [])) if not f.converged]
@@ -378,7 +381,7 @@ def compare(runs, *, c_min=0.0, margin=A_MARGIN) -> Comparison:
     return Comparison(fits, A_shared, refits, best, rule)
 
 
-def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Method = "fast"):
+def extrapolate(C, R, R0, *, fit_until, fit_from=0.0, method: Method = "fast"):
     """§5's protocol (fit on half the target budget, extrapolate to the target): fit on C <=
     fit_until (1-D C, R), predict the points beyond. Returns (SigmoidFit, mean absolute error on
     the held-out points, their count). Raises ValueError on NaN or inf in any point, held out or
@@ -387,7 +390,7 @@ def extrapolate(C, R, R0, *, fit_until, c_min=0.0, method: Method = "fast"):
     tail = C > fit_until
     if not tail.any():
         raise ValueError(f"nothing to extrapolate to: no C beyond fit_until={fit_until:g}")
-    fit = fit_sigmoid(C[~tail], R[~tail], R0, c_min=c_min, method=method)
+    fit = fit_sigmoid(C[~tail], R[~tail], R0, fit_from=fit_from, method=method)
     return fit, float(np.abs(fit.predict(C[tail]) - R[tail]).mean()), int(tail.sum())
 
 

@@ -58,10 +58,11 @@ def _num(v):
     return f"{v:.0f}" if 10 <= abs(v) < 1e6 else f"{v:.3g}"
 
 
-def plot(runs, out, *, xlabel, ylabel, c_min=0.0, fit_until=None):
-    """The paper's Figure 1, one colour per run: fitted points (dots), points below c_min (hollow),
-    held-out points (crosses), solid curve over the fitted range, dashed extrapolation, dotted line
-    at A. runs: [(name, C, R, SigmoidFit)] with C, R 1-D arrays. Writes the image to `out`."""
+def plot(runs, out, *, xlabel, ylabel, fit_from=0.0, fit_until=None):
+    """The paper's Figure 1, one colour per run: fitted points (dots), points below fit_from
+    (hollow), held-out points (crosses), solid curve over the fitted range, dashed extrapolation,
+    dotted line at A. runs: [(name, C, R, SigmoidFit)] with C, R 1-D arrays. Writes the image to
+    `out`."""
     import matplotlib
 
     matplotlib.use("Agg")  # to a file, no display
@@ -71,10 +72,10 @@ def plot(runs, out, *, xlabel, ylabel, c_min=0.0, fit_until=None):
     for i, (name, C, R, fit) in enumerate(runs):
         col = f"C{i}"
         end = fit_until or C.max()
-        used = (C >= c_min) & (C <= end)  # fitted
+        used = (C >= fit_from) & (C <= end)  # fitted
         held = C > end  # held out: the extrapolation's test
         ax.scatter(C[used], R[used], s=16, color=col, alpha=0.8)
-        ax.scatter(C[C < c_min], R[C < c_min], s=16, facecolors="none", edgecolors=col)
+        ax.scatter(C[C < fit_from], R[C < fit_from], s=16, facecolors="none", edgecolors=col)
         ax.scatter(C[held], R[held], s=30, marker="x", color=col, alpha=0.6)
         label = f"{name}: A={fit.A:.3f}  B={fit.B:.2f}  C_mid={_num(fit.C_mid)}"
         g = np.geomspace(C[used].min(), end, 200)
@@ -186,7 +187,7 @@ def _fit_run(path: str, name: str, args: Args):
     C = C[keep]
     R = R[keep]
     head = C <= (math.inf if args.fit_until is None else args.fit_until)
-    kw = dict(c_min=args.fit_from, method=args.method)
+    kw = dict(fit_from=args.fit_from, method=args.method)
     try:
         if args.fit_until is None:
             fit = fit_sigmoid(C, R, R0, **kw)
@@ -195,7 +196,7 @@ def _fit_run(path: str, name: str, args: Args):
         else:
             fit, mae, n_tail = extrapolate(C, R, R0, fit_until=args.fit_until, **kw)
         bs = bootstrap(
-            fit, C[head], R[head], c_min=args.fit_from, n_boot=args.n_boot, seed=args.seed
+            fit, C[head], R[head], fit_from=args.fit_from, n_boot=args.n_boot, seed=args.seed
         )
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"fit.py: {path}: {e}") from None
@@ -219,9 +220,9 @@ def _fit_run(path: str, name: str, args: Args):
     return (name, C, R, fit), (C[head], R[head], R0), row, notes
 
 
-def _comparison(runs, fit_pts, c_min: float) -> str:
+def _comparison(runs, fit_pts, fit_from: float) -> str:
     """The §4 rule's verdict over two or more runs (fit.compare), with B refitted at a shared A."""
-    cmp = compare(fit_pts, c_min=c_min)
+    cmp = compare(fit_pts, fit_from=fit_from)
     shared = ""
     if cmp.refits is not None:
         Bs = (f"{r[0]} {f.B:.3f}" for r, f in zip(runs, cmp.refits, strict=True))
@@ -238,10 +239,10 @@ def whole_run_fit(C, R, R0: float, n_boot: int = 200, fit_from: float = 0.0) -> 
     the fit did not converge or under 2 refits did); or {"error": ...} when fit_sigmoid raises
     (ValueError: under 4 evals, a flat curve)."""
     try:
-        f = fit_sigmoid(C, R, R0, c_min=fit_from)
+        f = fit_sigmoid(C, R, R0, fit_from=fit_from)
     except (ValueError, RuntimeError) as e:
         return {"error": str(e)}
-    boot = bootstrap(f, C, R, c_min=fit_from, n_boot=n_boot).A
+    boot = bootstrap(f, C, R, fit_from=fit_from, n_boot=n_boot).A
     out = {k: getattr(f, k) for k in ("A", "A_interval", "B", "C_mid", "converged", "message")}
     return out | {"A_bootstrap": list(boot) if np.isfinite(boot).all() else None}
 
@@ -319,7 +320,7 @@ def main(args: Args):
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table))
     if len(fit_pts) >= 2:
         notes.insert(0, _comparison(runs, fit_pts, args.fit_from))
-    kw = dict(xlabel=args.x, ylabel=args.y, c_min=args.fit_from, fit_until=args.fit_until)
+    kw = dict(xlabel=args.x, ylabel=args.y, fit_from=args.fit_from, fit_until=args.fit_until)
     plot(runs, args.out, **kw)
     print("\n".join(notes + [f"wrote {args.out}"]))
     if any(not f.converged for *_, f in runs):

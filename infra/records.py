@@ -121,7 +121,7 @@ def final_fit(run_dir: str, history: list[dict], fit_from: float | None = 0.0) -
         out = {"R0": R0, "final_pass_rate": float(R[-1]) if len(R) else R0, "fit_until": half}
         out["whole_run"] = fit_report.whole_run_fit(C, R, R0, fit_from=start)
         try:
-            f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half, c_min=start)
+            f, mae, n_tail = fit.extrapolate(C, R, R0, fit_until=half, fit_from=start)
         except (ValueError, RuntimeError) as e:
             return {**out, "error": str(e)}
         curves.append((name, C, R, f))
@@ -147,7 +147,7 @@ def final_fit(run_dir: str, history: list[dict], fit_from: float | None = 0.0) -
         ylabel = "eval/<task>/pass_rate" if tasks else "eval/pass_rate"
         path = os.path.join(run_dir, "fit.png")
         fit_report.plot(
-            curves, path, xlabel="gpu_hours", ylabel=ylabel, c_min=start, fit_until=half
+            curves, path, xlabel="gpu_hours", ylabel=ylabel, fit_from=start, fit_until=half
         )
     with open(os.path.join(run_dir, "fit.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -175,7 +175,7 @@ C40 = np.linspace(500.0, 20000.0, 40)
 @pytest.mark.parametrize(
     "C,R,kw,match",
     [
-        (C40[:10], eq1(C40[:10], 0.6, 2, 3000), {"c_min": C40[7]}, "need at least 4"),
+        (C40[:10], eq1(C40[:10], 0.6, 2, 3000), {"fit_from": C40[7]}, "need at least 4"),
         (C40, np.full(40, 0.5), {}, "flat"),
         (C40, eq1(C40, 0.6, 2, 3000)[::-1], {}, "does not increase"),
         (C40, np.where(C40 > 9000, np.nan, eq1(C40, 0.6, 2, 3000)), {}, "NaN or inf"),
@@ -214,7 +214,7 @@ def test_bad_R0_raises():
 def test_c_min_drops_points_and_zero_compute():
     C = np.r_[0.0, C40]
     R = np.r_[R0, eq1(C40, 0.6, 2.0, 3000)]
-    f = fit.fit_sigmoid(C, R, R0, c_min=C40[5])
+    f = fit.fit_sigmoid(C, R, R0, fit_from=C40[5])
     assert f.n == 35 and f.converged and f.A == pytest.approx(0.6, rel=1e-6)
 
 
@@ -325,12 +325,12 @@ class PowerLawFit:
         return self.A - self.D * np.exp(-self.B * np.log(np.asarray(C, dtype=np.float64)))
 
 
-def fit_power_law(C, R, c_min=0.0) -> PowerLawFit:
-    """Least-squares fit of A.4's power law to the points with C >= c_min (1-D C, R), with fit.py's
-    own checks and least squares (fit._validate, fit._lsq). A.4: fitted from low compute it
+def fit_power_law(C, R, fit_from=0.0) -> PowerLawFit:
+    """Least-squares fit of A.4's power law to the points with C >= fit_from (1-D C, R), with
+    fit.py's own checks and least squares (fit._validate, fit._lsq). A.4: fitted from low compute it
     overshoots the ceiling (A 1.0 vs the sigmoid's 0.645). Raises as fit.fit_sigmoid; A at its
     bound 1, a singular Jacobian or a standard error above B or D gives converged=False."""
-    C, R = fit._validate(C, R, 0.0, c_min)
+    C, R = fit._validate(C, R, 0.0, fit_from)
     x = np.log(C)
     u = x - x.mean()  # centred ln C: d = D exp(-B mean ln C) stays O(1) at any compute scale
     res = lambda p: p[0] - p[2] * np.exp(-p[1] * u) - R
@@ -368,7 +368,7 @@ def test_power_law():
     assert fit.fit_sigmoid(C, R, R0).A == pytest.approx(0.645, rel=1e-6)
     low = fit_power_law(C, R)
     assert low.A == pytest.approx(1.0) and not low.converged
-    assert fit_power_law(C, R, c_min=5000).A > 0.645 + 0.05
+    assert fit_power_law(C, R, fit_from=5000).A > 0.645 + 0.05
     C = np.linspace(30000, 60000, 20)
     assert abs(fit_power_law(C, eq1(C, 0.645, 1.70, 10909)).A - 0.645) < 0.01
     # rising by chance

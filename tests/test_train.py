@@ -824,17 +824,17 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     few.mkdir()
     out = records.final_fit(str(few), history_of([0.1, 0.2], [0.3, 0.4], 0.2))
     assert out["whole_run"] == {
-        "error": "2 distinct compute values at C >= c_min=0.0; need at least 4"
+        "error": "2 distinct compute values at C >= fit_from=0.0; need at least 4"
     }
     lines = fit_report.summary(str(few), out).splitlines()
     assert lines[0] == f"run {few}: pass rate 0.200 (R0) -> 0.400 at the last eval (+0.200)"
     assert (
         lines[1]
-        == "  whole run: no fit: 2 distinct compute values at C >= c_min=0.0; need at least 4"
+        == "  whole run: no fit: 2 distinct compute values at C >= fit_from=0.0; need at least 4"
     )
     assert lines[2] == (
         "  first half (to 0.1 gpu-hours) -> second half: no fit: 1 distinct compute values at C >= "
-        "c_min=0.0; need at least 4"
+        "fit_from=0.0; need at least 4"
     )
     assert lines[3] == f"every number in {few / 'fit.json'}"  # nothing drawn
     # no step-0 eval (R0 abandoned by a Ctrl-C): one line
