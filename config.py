@@ -485,9 +485,12 @@ def groups_per_step(args: Args) -> int:
     return round(args.prompts_per_step * args.batch_scale)
 
 
-def check_nodes(remote_engines: int, node_address: str | None, weight_transfer: str) -> None:
-    """BadInput for engines on other nodes without a routable --node-address, or with weights
-    via disk (a node-local disk the other nodes do not read)."""
+def check_nodes(
+    remote_engines: int, node_address: str | None, weight_transfer: str, resume: str | None = None
+) -> None:
+    """BadInput for engines on other nodes without a routable --node-address, with weights via disk
+    (a node-local disk the other nodes do not read), or on --resume (the restored weights are
+    exported to rank 0's disk for the engines to start from: not yet sent to the other nodes)."""
     if remote_engines < 0:
         raise BadInput(f"--remote-engines {remote_engines}: must be >= 0")
     if not remote_engines:
@@ -505,6 +508,11 @@ def check_nodes(remote_engines: int, node_address: str | None, weight_transfer: 
         raise BadInput(
             f"--weight-transfer disk: with --remote-engines {remote_engines} weights go by NCCL, "
             "never through a node-local disk"
+        )
+    if resume:
+        raise BadInput(
+            f"--resume with --remote-engines {remote_engines}: not supported yet (the other nodes "
+            "would start from the model path, not the checkpoint's weights)"
         )
 
 
@@ -555,7 +563,7 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(
             f"--tensor-parallel-size {tp}: must be >= 1 and divide the {n_gpus} --generator-gpus"
         )
-    check_nodes(args.remote_engines, args.node_address, args.weight_transfer)
+    check_nodes(args.remote_engines, args.node_address, args.weight_transfer, args.resume)
     mem = args.gpu_memory_utilization
     if mem is not None and not 0 < mem <= 1:
         raise BadInput(f"--gpu-memory-utilization {mem}: must be in (0, 1]")

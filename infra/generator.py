@@ -303,7 +303,9 @@ def new_engines(
     seed = args.seed + version
     train_kwargs, eval_kwargs = sampler_kwargs(args, plan, inputs.gen_dtype, backend, seed=seed)
     # the head waits for the other nodes' engines (vLLM's handshake) before it serves
-    for i, command in enumerate(headless_commands(args, plan, weights, train_kwargs)):
+    # the model as given (a hub id, not rank 0's cache directory it resolved to)
+    model = args.path or weights
+    for i, command in enumerate(headless_commands(args, plan, model, train_kwargs)):
         print(f"generator node {i + 1}: run there (in this repository): {command}", flush=True)
     # a group may wait behind every rollout in flight, each up to max_model_len tokens
     gen_timeout = args.gen_timeout or pipeline.group_timeout(

@@ -3,17 +3,16 @@ each other node runs headless engines (`python -m infra.engine --headless`, engi
 
 Pins: (1) the headless command rank 0 prints carries exactly the head's engine arguments (parsed
 back, every AsyncEngineArgs field equal but the node's own DP fields); (2) train.py refuses engines
-on other nodes without a routable --node-address or with weights via disk; (3) the NCCL weight
-group's ranks and address, with a stand-in for NCCL's rendezvous: checkpoint.nccl_sender through
-vLLM's own trainer_init and worker rank rule (nccl_common.worker_init_process_group) on every
-worker of a 2-node plan (tp 2, dp 2 on the head's node + 4 headless): ranks 0..12 once each,
-world 13 = 1 + tp x dp, all meeting at --node-address; (4) on CPU, for real: a head engine (DP
-rank 0) and a headless engine (DP rank 1, another process playing the other node, joined over
-127.0.0.1) serve one Sampler; its rollouts come from both engines, both hold each update's weights
-(vLLM's per-worker checksums, dp0 and dp1, equal and changed) and each engine's log-probs equal a
-float32 transformers forward of the new weights; (5) liveness: the headless engine killed, the
-head's Engine.dead() says so in one line within seconds (what pipeline.SharedState raises to end
-the run).
+on other nodes without a routable --node-address, with weights via disk or on --resume; (3) the NCCL
+weight group's ranks and address, with a stand-in for NCCL's rendezvous: checkpoint.nccl_sender
+through vLLM's own trainer_init and worker rank rule (nccl_common.worker_init_process_group) on
+every worker of a 2-node plan (tp 2, dp 2 on the head's node + 4 headless): ranks 0..12 once each,
+world 13 = 1 + tp x dp, all meeting at --node-address; (4) on CPU, for real: a head engine (DP rank
+0) and a headless engine (DP rank 1, another process playing the other node, joined over 127.0.0.1)
+serve one Sampler; its rollouts come from both engines, both hold each update's weights (vLLM's
+per-worker checksums, dp0 and dp1, equal and changed) and each engine's log-probs equal a float32
+transformers forward of the new weights; (5) liveness: the headless engine killed, the head's
+Engine.dead() says so in one line within seconds (what pipeline.SharedState raises to end the run).
 """
 
 import contextlib
@@ -77,6 +76,8 @@ def test_remote_engines_need_a_routable_address_and_nccl():
             config.check_nodes(8, address, "auto")
     with pytest.raises(BadInput, match="never through a node-local disk"):
         config.check_nodes(8, "10.0.0.1", "disk")
+    with pytest.raises(BadInput, match="--resume"):
+        config.check_nodes(8, "10.0.0.1", "nccl", resume="runs/x")
 
 
 def test_nccl_group_ranks_every_worker_of_every_node_once(monkeypatch):
@@ -227,3 +228,23 @@ def test_head_and_headless_engine_sample_and_take_weights(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(remote.pid, signal.SIGKILL)
         remote.wait(30)
+
+
+def test_rank0_prints_the_readme_command_for_the_other_node():
+    from test_placement import H200, plan
+
+    from infra import generator
+
+    argv = ["--model", "qwen3-8b", "--remote-engines", "8", "--node-address", "10.0.0.1"]
+    args = config.parse_args(argv)
+    p = plan("qwen3-8b", H200, nproc=3, remote_engines=args.remote_engines)
+    train_kwargs, eval_kwargs = generator.sampler_kwargs(args, p, torch.bfloat16, "nccl", seed=0)
+    assert train_kwargs["nodes"] == engine.DPNodes("10.0.0.1", 29550, local=4)
+    assert eval_kwargs["nodes"] is None  # the eval engine: rank 0's node only
+    (command,) = generator.headless_commands(args, p, args.path, train_kwargs)
+    assert command == (
+        "python -m infra.engine --headless --model Qwen/Qwen3-8B --seed 0 --dtype bfloat16 "
+        "--max-model-len 16512 --max-num-seqs 128 --tensor-parallel-size 1 "
+        "--data-parallel-size 12 --gpu-memory-utilization 0.9 --weight-transfer nccl "
+        "--address 10.0.0.1 --port 29550 --local 8 --start-rank 4"
+    )
