@@ -163,11 +163,16 @@ def test_head_and_headless_engine_sample_and_take_weights(tmp_path):
         run = thread.run
         client = s.engine.client
         core = client.engine_core
-        chosen = []
+        chosen = []  # the engines the sampler's requests went to (generate.Sampler picks)
         route = core.get_core_engine_for_request
-        core.get_core_engine_for_request = lambda request: (
-            chosen.append(route(request)) or chosen[-1]
-        )
+
+        def spy(request):
+            engine_id = route(request)
+            if not request.request_id.startswith("pin-"):  # not one of per_engine's
+                chosen.append(engine_id)
+            return engine_id
+
+        core.get_core_engine_for_request = spy
 
         async def per_engine(ids):
             """{DP rank: (len(ids) - 1,) float64 log-probs of ids[1:] from that engine}"""
@@ -175,7 +180,7 @@ def test_head_and_headless_engine_sample_and_take_weights(tmp_path):
             for rank in (0, 1):
                 params = SamplingParams(max_tokens=1, prompt_logprobs=0)
                 prompt = {"prompt_token_ids": ids}
-                request_id = f"p{rank}-{time.time()}"
+                request_id = f"pin-{rank}-{time.time()}"
                 stream = client.generate(prompt, params, request_id, data_parallel_rank=rank)
                 async for out in stream:
                     last = out
