@@ -9,6 +9,10 @@ one place a sampler's thread and asyncio loop are started and shut down (the pip
 engine, the eval engine, the tests' shared engine). vLLM adds `WorkerExtension`'s methods to each
 of its workers, where weight updates load. Each reach into vLLM's internals is one named function
 with the vLLM version it was checked on, pinned by `pytest tests/test_generate.py`.
+A generator on several nodes is one vLLM data-parallel engine: rank 0's `Engine` is its head and
+each other node runs the command rank 0 prints (`headless_command`), the head's own arguments:
+
+    python -m infra.engine --headless --model M ... --address HEAD --port P --local N --start-rank R
 
 Where it departs from the paper, and why (the paper does not say how its generators take weights):
 1. New weights reach the engine from disk (a safetensors directory and vLLM's `reload_weights`)

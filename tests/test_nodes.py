@@ -78,6 +78,14 @@ def test_remote_engines_need_a_routable_address_and_nccl():
         config.check_nodes(8, "10.0.0.1", "disk")
     with pytest.raises(BadInput, match="--resume"):
         config.check_nodes(8, "10.0.0.1", "nccl", resume="runs/x")
+    # train.py's flags reach it: one line, exit code 2
+    with pytest.raises(BadInput) as info:
+        config.validate(config.parse_args(["--remote-engines", "2"]), 1)
+    assert info.value.code == 2
+    assert str(info.value) == (
+        "--remote-engines 2: needs --node-address, rank 0's node address the other nodes reach "
+        "(got None)"
+    )
 
 
 def test_nccl_group_ranks_every_worker_of_every_node_once(monkeypatch):
