@@ -110,6 +110,14 @@ class Args:
     """vLLM's share of each generator GPU (default: 0.9 on its own GPUs, 0.5 on a shared one)"""
     weight_transfer: Literal["auto", "disk", "nccl"] = "auto"
     """how weights reach vLLM: auto = NCCL when vLLM has GPUs of its own (CUDA), else disk"""
+    remote_engines: int = 0
+    """generator engines (tp GPUs each) on other nodes, which join rank 0's as vLLM's headless
+    data-parallel engines: rank 0 prints the command to run there (README, two nodes); needs NCCL
+    weight transfer and --node-address"""
+    node_address: str | None = None
+    """rank 0's node address the other nodes reach (vLLM's DP handshake, NCCL weight broadcast)"""
+    node_port: int = 29550
+    """port of vLLM's DP handshake on --node-address (vLLM's default data_parallel_rpc_port)"""
     kv_cache_gib: float | None = None
     """vLLM KV cache size on CPU"""
     activation_checkpointing: bool = False
@@ -477,6 +485,37 @@ def groups_per_step(args: Args) -> int:
     return round(args.prompts_per_step * args.batch_scale)
 
 
+def check_nodes(
+    remote_engines: int, node_address: str | None, weight_transfer: str, resume: str | None = None
+) -> None:
+    """BadInput for engines on other nodes without a routable --node-address, with weights via disk
+    (a node-local disk the other nodes do not read), or on --resume (the restored weights are
+    exported to rank 0's disk for the engines to start from: not yet sent to the other nodes)."""
+    if remote_engines < 0:
+        raise BadInput(f"--remote-engines {remote_engines}: must be >= 0")
+    if not remote_engines:
+        return
+    if (
+        not node_address
+        or node_address in ("localhost", "0.0.0.0")
+        or node_address.startswith("127.")
+    ):
+        raise BadInput(
+            f"--remote-engines {remote_engines}: needs --node-address, rank 0's node address the "
+            f"other nodes reach (got {node_address!r})"
+        )
+    if weight_transfer == "disk":
+        raise BadInput(
+            f"--weight-transfer disk: with --remote-engines {remote_engines} weights go by NCCL, "
+            "never through a node-local disk"
+        )
+    if resume:
+        raise BadInput(
+            f"--resume with --remote-engines {remote_engines}: not supported yet (the other nodes "
+            "would start from the model path, not the checkpoint's weights)"
+        )
+
+
 def validate(args: Args, world: int) -> None:
     """Every flag's rule, checked here and only here, before any expensive work, in the order of
     Args' fields (a rule on several fields comes after the last of them). Raises BadInput (code 2)
@@ -524,6 +563,7 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(
             f"--tensor-parallel-size {tp}: must be >= 1 and divide the {n_gpus} --generator-gpus"
         )
+    check_nodes(args.remote_engines, args.node_address, args.weight_transfer, args.resume)
     mem = args.gpu_memory_utilization
     if mem is not None and not 0 < mem <= 1:
         raise BadInput(f"--gpu-memory-utilization {mem}: must be in (0, 1]")

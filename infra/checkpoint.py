@@ -82,11 +82,15 @@ def export_pretrained(policy, tokenizer, out_dir: str | None, dtype: torch.dtype
     export_weights(policy, out_dir, dtype)
 
 
-def nccl_sender(policy, dtype: torch.dtype, *, rank: int, client, port: int, world_size: int):
+def nccl_sender(
+    policy, dtype: torch.dtype, *, rank: int, client, address: str, port: int, world_size: int
+):
     """The GPU fast path, trainer side (NOT RUN YET: no GPU with vLLM has been available): vLLM
     0.32's NCCL weight-transfer engine (vllm.distributed.weight_transfer) over `sampler_weights`.
     Call on every trainer rank once the engine runs: rank 0 is the sender and rendezvouses with the
-    engine's tp x dp workers over a TCPStore on 127.0.0.1:`port` (world_size = 1 + tp x dp; `client`
+    engine's tp x dp workers, on every node (vLLM ranks worker w of DP engine d as 1 + d x tp + w:
+    nccl_common.worker_init_process_group), over a TCPStore on `address`:`port` (rank 0's node:
+    127.0.0.1 when every engine is there; world_size = 1 + tp x dp; `client`
     = the Sampler's sync_client, None on other ranks, which only join the FSDP2 gathers). Returns
     the engine; its send_weights() (every rank, after each step) pauses vLLM, gathers each parameter
     in `dtype` on the GPU and broadcasts it, loads it and resumes."""
@@ -96,7 +100,7 @@ def nccl_sender(policy, dtype: torch.dtype, *, rank: int, client, port: int, wor
     )
 
     info = NCCLTrainerInitInfo(
-        master_address="127.0.0.1", master_port=port, world_size=world_size, rank=rank
+        master_address=address, master_port=port, world_size=world_size, rank=rank
     )
     source = sampler_source(policy, dtype)
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)

@@ -9,6 +9,10 @@ one place a sampler's thread and asyncio loop are started and shut down (the pip
 engine, the eval engine, the tests' shared engine). vLLM adds `WorkerExtension`'s methods to each
 of its workers, where weight updates load. Each reach into vLLM's internals is one named function
 with the vLLM version it was checked on, pinned by `pytest tests/test_generate.py`.
+A generator on several nodes is one vLLM data-parallel engine: rank 0's `Engine` is its head and
+each other node runs the command rank 0 prints (`headless_command`), the head's own arguments:
+
+    python -m infra.engine --headless --model M ... --address HEAD --port P --local N --start-rank R
 
 Where it departs from the paper, and why (the paper does not say how its generators take weights):
 1. New weights reach the engine from disk (a safetensors directory and vLLM's `reload_weights`)
@@ -23,9 +27,12 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shlex
 import signal
+import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil  # a vLLM dependency
 import torch
@@ -51,6 +58,32 @@ RENICE_PASSES = 100
 ABORT_POLL_S = 0.5
 # os.environ is the process's: engines started from two threads at once must not mix their variables
 _SPAWN_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class DPNodes:
+    """A data-parallel generator spread over nodes (vLLM's multi-node DP): the head (rank 0's
+    `Engine`, vLLM's DP rank 0 with its front end) runs `local` engines from DP rank 0 on, and each
+    other node runs vLLM's headless engines (`serve_headless`, `python -m infra.engine --headless`)
+    from its `start_rank` on; together `data_parallel_size` engines. address: the head node's
+    address every node reaches (vLLM's DP handshake on `port`, the NCCL weight broadcast's
+    rendezvous); never a loopback address across real nodes (one machine's tests use 127.0.0.1)."""
+
+    address: str
+    port: int  # vLLM's data_parallel_rpc_port: the head's handshake socket
+    local: int  # engines on this node (data_parallel_size_local)
+    start_rank: int = 0  # the first DP rank on this node: 0 on the head
+
+    def vllm_kwargs(self) -> dict:
+        """`AsyncEngineArgs` keywords (vLLM 0.32's names) for this node's share."""
+        out = dict(
+            data_parallel_address=self.address,
+            data_parallel_rpc_port=self.port,
+            data_parallel_size_local=self.local,
+        )
+        if self.start_rank:  # on the head vLLM would read a start rank as hybrid load balancing
+            out["data_parallel_start_rank"] = self.start_rank
+        return out
 
 
 def weight_transfer_backend(
@@ -97,11 +130,14 @@ def engine_args(
     kv_cache_gib: float | None = None,
     weight_transfer: str = "disk",
     fp32_head: bool = True,
+    nodes: DPNodes | None = None,
 ) -> AsyncEngineArgs:
     """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults:
     eager mode and a 1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory);
     GPU: CUDA graphs, 85% memory. Requests are served by priority (`generate.ANSWER_PRIORITY`).
-    fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation)."""
+    fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation).
+    nodes: data-parallel engines across nodes (`DPNodes`): data_parallel_size counts every engine,
+    of which nodes.local run here (the head's) or, headless, from nodes.start_rank on."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
@@ -126,9 +162,11 @@ def engine_args(
         hf_overrides=head,
         weight_transfer_config={"backend": "nccl"} if weight_transfer == "nccl" else None,
         use_tqdm_on_load=False,  # no loading bars at every in-flight weight update
-        worker_extension_cls=f"{__name__}.WorkerExtension",  # vLLM's hook for extra RPCs
+        # vLLM's hook for extra RPCs; by its module's name, which `python -m infra.engine` is too
+        worker_extension_cls="infra.engine.WorkerExtension",
         # on a GPU vLLM's stats (KV cache use, preemptions) are what tunes max_num_seqs
         disable_log_stats=not cuda,
+        **(nodes.vllm_kwargs() if nodes else {}),
     )
 
 
@@ -236,6 +274,49 @@ def _memory_hint(args: AsyncEngineArgs) -> str:
     return f"if it is memory: lower --gpu-memory-utilization (asked {utilization:g} of each GPU)"
 
 
+class EngineLinks:
+    """Watches the connections of a data-parallel head's engines, on every node, to its front end,
+    for `Engine.dead`: vLLM 0.32's head notices a remote engine's death only when that engine core
+    fails cleanly (its ENGINE_CORE_DEAD message: `AsyncLLM.errored`); one killed outright (SIGKILL,
+    the OOM killer, a lost node's process) says nothing, its requests never finish and its weight
+    RPCs never answer; its own node's process manager watches only that node's engines. A killed
+    process's TCP connection closes, though: a ZMQ monitor on the head's input socket (vLLM
+    internals: `client.engine_core.resources.input_socket`, the ROUTER every engine's DEALER
+    connects to; checked on vLLM 0.32, pinned by tests/test_nodes.py) reports it, within a second.
+    A node cut off without closing its connections is left to the pipeline's generation timeout
+    and the weight send's deadline. `lost` says what was seen, or None."""
+
+    def __init__(self, client):
+        import zmq
+
+        self.lost: str | None = None
+        sock = client.engine_core.resources.input_socket
+        address = f"inproc://scalerl-engine-links-{id(self)}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        # a plain (not asyncio) socket in the same ZMQ context: inproc needs the same one
+        context = zmq.Context.shadow(sock.context.underlying)
+        self._monitor = context.socket(zmq.PAIR)
+        self._monitor.connect(address)
+        self._thread = threading.Thread(target=self._watch, name="engine-links", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while True:
+                event = recv_monitor_message(self._monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return  # the head's socket closed: the engine is shutting down
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.lost is None:
+                    self.lost = "a vLLM data-parallel engine's connection to the head closed"
+        except zmq.ZMQError:  # the context ended under us: shut down
+            return
+        finally:
+            self._monitor.close(linger=0)
+
+
 class Engine:
     """One vLLM engine: `client` (vLLM's `AsyncLLM`, which requests, RPCs and weight loads go
     through) and the processes it started, which `dead` watches and `shutdown` stops. A
@@ -251,7 +332,8 @@ class Engine:
       env: environment variables for the engine's processes (set while they start), e.g.
         VLLM_CPU_OMP_THREADS_BIND (`generate.cpu_bind`) for an engine with fewer threads.
       **kwargs: `engine_args` keywords: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
-        data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib.
+        data_parallel_size (the engine uses tp * dp devices), gpu_memory_utilization, kv_cache_gib,
+        nodes (`DPNodes`: some of the dp engines on other nodes; tp * nodes.local devices here).
     Raises ValueError for bad settings; BadInput (code 1), one line, for a KV cache larger than the
     free memory on CPU (before anything starts) or an engine that did not start (`start_engine`).
     """
@@ -267,10 +349,12 @@ class Engine:
         env: dict[str, str] | None = None,
         **kwargs,
     ):
-        devices = kwargs.get("tensor_parallel_size", 1) * kwargs.get("data_parallel_size", 1)
+        nodes = kwargs.get("nodes")
+        local = nodes.local if nodes else kwargs.get("data_parallel_size", 1)  # engines here
+        devices = kwargs.get("tensor_parallel_size", 1) * local
         if gpus is not None and len(gpus) != devices:
             raise ValueError(
-                f"gpus={gpus} must list tensor_parallel_size * data_parallel_size devices"
+                f"gpus={gpus} must list tensor_parallel_size x the engines on this node devices"
             )
         cuda = torch.cuda.is_available()
         self.weight_transfer = weight_transfer_backend(
@@ -286,6 +370,8 @@ class Engine:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         # procs: our children (EngineCore); workers: theirs (vLLM's workers); shutdown ends both
         self.client, self.procs, self.workers = start_engine(args, env, nice)
+        # engines on other nodes: their deaths seen by their connections (EngineLinks)
+        self.links = EngineLinks(self.client) if nodes else None
 
     @property
     def kv_capacity(self) -> int:
@@ -304,6 +390,8 @@ class Engine:
             return "the vLLM engine is shut down"
         if self.client.errored:
             return "the vLLM engine died"
+        if self.links is not None and self.links.lost:
+            return f"{self.links.lost} (an engine process died, here or on another node)"
         exited = [
             f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None
         ]
@@ -566,3 +654,119 @@ class SyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         pass  # done inside update_weights, which labels the weights with Sampler.next_version
+
+
+def serve_headless(args: AsyncEngineArgs) -> None:
+    """Run this node's share of a multi-node data-parallel generator:
+    `args.data_parallel_size_local` engines, DP ranks from `args.data_parallel_start_rank` on,
+    which join the head (rank 0's `Engine`) at `args.data_parallel_address` and
+    `args.data_parallel_rpc_port`, then take requests, RPCs and weight updates from it exactly as
+    its local engines do. Blocks until one of them exits
+    (then stops the others) or SIGTERM / SIGINT. vLLM 0.32's `vllm serve --headless`
+    (entrypoints/cli/serve.py, run_headless) on our `AsyncEngineArgs`, which that command only takes
+    as its own flags (the worker extension, weight transfer and fp32-head overrides as JSON);
+    internals checked on vLLM 0.32 and pinned by tests/test_nodes.py."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.network_utils import get_tcp_uri
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.executor import Executor
+
+    config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    parallel = config.parallel_config
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    manager = CoreEngineProcManager(
+        local_engine_count=parallel.data_parallel_size_local,
+        start_index=parallel.data_parallel_rank,
+        local_start_index=0,
+        vllm_config=config,
+        local_client=False,
+        handshake_address=get_tcp_uri(
+            parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port
+        ),
+        executor_class=Executor.get_class(config),
+        log_stats=not args.disable_log_stats,
+    )
+    try:
+        manager.monitor_engine_liveness()  # returns once one engine process exited
+    finally:
+        manager.shutdown(timeout=SHUTDOWN_TIMEOUT)
+    if manager.failed_proc_name:
+        raise SystemExit(f"infra.engine --headless: {manager.failed_proc_name} died")
+
+
+# engine_args keywords the headless command carries, in its flags' order
+HEADLESS_KEYS = (
+    "seed",
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "gpu_memory_utilization",
+    "kv_cache_gib",
+    "weight_transfer",
+)
+
+
+def headless_command(model: str, nodes: DPNodes, **kwargs) -> str:
+    """The command that starts `nodes`' engines on another node (`serve_headless`) with the same
+    engine arguments as the head's: `model` and the `engine_args` keywords `kwargs` (HEADLESS_KEYS
+    and fp32_head; others are refused with ValueError). Rank 0 prints it for each other node."""
+    unknown = set(kwargs) - set(HEADLESS_KEYS) - {"fp32_head"}
+    if unknown:
+        raise ValueError(f"headless_command: not an engine argument it carries: {sorted(unknown)}")
+    words = ["python -m infra.engine --headless", f"--model {shlex.quote(model)}"]
+    for key in HEADLESS_KEYS:
+        if kwargs.get(key) is not None:
+            words.append(f"--{key.replace('_', '-')} {kwargs[key]}")
+    if not kwargs.get("fp32_head", True):
+        words.append("--no-fp32-head")
+    words.append(f"--address {nodes.address} --port {nodes.port}")
+    words.append(f"--local {nodes.local} --start-rank {nodes.start_rank}")
+    return " ".join(words)
+
+
+def headless_args(argv: list[str], cuda: bool | None = None) -> AsyncEngineArgs:
+    """The engine arguments of `python -m infra.engine ARGV` (the words after the module name, as
+    `headless_command` writes them): `engine_args` with this node's `DPNodes`. cuda: None = this
+    machine's."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m infra.engine", description=main.__doc__)
+    parser.add_argument("--headless", action="store_true", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, required=True)
+    parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--kv-cache-gib", type=float)
+    parser.add_argument("--weight-transfer", default="nccl", choices=["disk", "nccl"])
+    parser.add_argument("--no-fp32-head", dest="fp32_head", action="store_false")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--local", type=int, required=True)
+    parser.add_argument("--start-rank", type=int, required=True)
+    a = parser.parse_args(argv)
+    nodes = DPNodes(a.address, a.port, a.local, a.start_rank)
+    kwargs = {k: getattr(a, k) for k in HEADLESS_KEYS} | {"fp32_head": a.fp32_head}
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return engine_args(a.model, cuda=cuda, nodes=nodes, **kwargs)
+
+
+def main() -> None:
+    """`python -m infra.engine --headless ...`, the command `headless_command` writes: this node's
+    engines of a multi-node generator (`serve_headless`)."""
+    serve_headless(headless_args(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

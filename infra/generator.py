@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import generate
 import pipeline
-from config import Args
+from config import Args, BadInput
 from infra import checkpoint, engine, evals, launch, watchdog
 from infra.launch import free_port, rank0_call
 from infra.weight_dirs import VERSIONS_ALIVE, WeightDirs, weights_parent
@@ -39,14 +39,17 @@ SEND_BYTES_PER_S = 1e9
 SEND_TIMEOUT_MIN_S = 120.0
 
 
-def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int, stop: dict):
+def weight_pusher(
+    policy, pipe, backend: str, dtype, engine_ranks: int, stop: dict, address: str = "127.0.0.1"
+):
     """push(version, snapshot=None), called on every rank after each step: the new weights to the
     sampler, as trainer version `version`. "disk": gathered per parameter in the sampler dtype
     (checkpoint.export_weights), saved by rank 0 into a fresh pipeline directory and loaded in
     flight (pipe.publish). "nccl" (NOT RUN YET, no GPU with vLLM so far): vLLM's weight-transfer
-    engine, set up here once (checkpoint.nccl_sender; rank 0 sends to the engine's `engine_ranks` =
-    tp x dp workers), broadcasts each parameter gathered in the sampler dtype on the GPU when the
-    pipeline releases the version (nccl_pusher), every rank joining the gathers.
+    engine, set up here once (checkpoint.nccl_sender, rendezvous on `address`: rank 0's node; rank
+    0 sends to the engine's `engine_ranks` = tp x dp workers, every node's), broadcasts each
+    parameter gathered in the sampler dtype on the GPU when the pipeline releases the version
+    (nccl_pusher), every rank joining the gathers.
     snapshot (every rank or none; an eval step): called on rank 0 with a directory holding the
     version's weights (with None elsewhere) before the sampler may load and delete it, for
     the eval engine to snapshot (EvalEngine.submit). Under "nccl" that directory is written for it
@@ -69,6 +72,7 @@ def weight_pusher(policy, pipe, backend: str, dtype, engine_ranks: int, stop: di
         dtype,
         rank=dist.get_rank(),
         client=client,
+        address=address,
         port=free_port(),
         world_size=1 + engine_ranks,
     )
@@ -176,9 +180,11 @@ def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int
         weight_transfer=backend,
         interruptions=args.interruptions,
         fp32_head=args.fp32_head,
+        nodes=dp_nodes(args, plan),
     )
     eval_kwargs = dict(
         train_kwargs,
+        nodes=None,  # on rank 0's node only
         gpus=plan.eval.gpus,
         tensor_parallel_size=plan.eval.tp,
         data_parallel_size=plan.eval.dp,
@@ -189,6 +195,29 @@ def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int
     if not torch.cuda.is_available():  # one device: the eval engine gets what the trainer leaves
         eval_kwargs.update(nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})
     return train_kwargs, eval_kwargs
+
+
+def dp_nodes(args: Args, plan) -> engine.DPNodes | None:
+    """The training engine's share of a generator with --remote-engines on other nodes: rank 0's
+    node runs DP ranks 0 .. local-1 as the head; None when every engine is on rank 0's node."""
+    if not plan.remote:
+        return None
+    return engine.DPNodes(args.node_address, args.node_port, local=plan.dp - plan.remote)
+
+
+def headless_commands(args: Args, plan, model: str, train_kwargs: dict) -> list[str]:
+    """The command each other node runs (`engine.headless_command`): --remote-engines engines as
+    one node's worth of GPUs each (placement.Plan.remote_nodes), with the training engine's
+    arguments (`train_kwargs`, sampler_kwargs' first) and the start model `model`."""
+    keys = engine.HEADLESS_KEYS + ("fp32_head",)
+    kwargs = {k: train_kwargs[k] for k in keys if k in train_kwargs}
+    out = []
+    rank = plan.dp - plan.remote
+    for n in plan.remote_nodes:
+        nodes = engine.DPNodes(args.node_address, args.node_port, local=n, start_rank=rank)
+        out.append(engine.headless_command(model, nodes, **kwargs))
+        rank += n
+    return out
 
 
 def max_evals_pending(args: Args, weights_bytes: int) -> int:
@@ -207,7 +236,12 @@ def transfer_backend(args: Args, plan) -> str:
     (engine.weight_transfer_backend: --weight-transfer, else NCCL only on GPU with dedicated
     generator GPUs)."""
     cuda = torch.cuda.is_available()
-    return engine.weight_transfer_backend(args.weight_transfer, cuda=cuda, dedicated=plan.dedicated)
+    # engines on other nodes: NCCL or nothing (config.check_nodes refused disk)
+    requested = "nccl" if plan.remote else args.weight_transfer
+    try:
+        return engine.weight_transfer_backend(requested, cuda=cuda, dedicated=plan.dedicated)
+    except ValueError as e:
+        raise BadInput(f"--weight-transfer: {e}") from None
 
 
 @dataclass
@@ -268,6 +302,11 @@ def new_engines(
     weights_bytes = inputs.n_params * inputs.gen_dtype.itemsize  # one version, as vLLM loads it
     seed = args.seed + version
     train_kwargs, eval_kwargs = sampler_kwargs(args, plan, inputs.gen_dtype, backend, seed=seed)
+    # the head waits for the other nodes' engines (vLLM's handshake) before it serves
+    # the model as given (a hub id, not rank 0's cache directory it resolved to)
+    model = args.path or weights
+    for i, command in enumerate(headless_commands(args, plan, model, train_kwargs)):
+        print(f"generator node {i + 1}: run there (in this repository): {command}", flush=True)
     # a group may wait behind every rollout in flight, each up to max_model_len tokens
     gen_timeout = args.gen_timeout or pipeline.group_timeout(
         args.max_model_len, 2 * P * args.group_size, plan.max_num_seqs * plan.dp
@@ -379,9 +418,11 @@ def start(
         grace = launch.grace_warning(inputs.n_params, launch.torchrun_grace_s())
         if grace:
             print(grace, flush=True)
-    engine_ranks = inputs.plan.tp * inputs.plan.dp  # the sampler's vLLM workers: tp x dp
+    # the sampler's vLLM workers, on every node: tp x dp
+    engine_ranks = inputs.plan.tp * inputs.plan.dp
+    address = args.node_address if inputs.plan.remote else "127.0.0.1"
     push_weights = weight_pusher(
-        policy, engines.pipe, backend, inputs.gen_dtype, engine_ranks, stop
+        policy, engines.pipe, backend, inputs.gen_dtype, engine_ranks, stop, address
     )
     return engines, push_weights, start_dir
 

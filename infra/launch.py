@@ -45,10 +45,11 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def free_port() -> int:
+    """A TCP port free on every interface of this node (other nodes may connect to it)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -148,6 +149,7 @@ def plan_placement(
             kv_cache_bytes=int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30),
             eval_gpus=args.eval_gpus,
             eval_seqs=n_tasks * args.eval_size * (args.eval_n + 1),  # + one greedy per prompt
+            remote_engines=args.remote_engines,
             argv=sys.argv[1:],
         )
         print(placement.describe(plan[0]), flush=True)

@@ -239,6 +239,9 @@ class Request:
     eval_gpus: int | None = None
     # sequences one eval samples (prompts x (samples + 1 greedy)), for its max_num_seqs
     eval_seqs: int = 1
+    # training engines (tp GPUs each) on other nodes with as many GPUs of gpu_bytes as this one
+    # (--remote-engines): vLLM's headless DP engines, which join rank 0's node's engine
+    remote_engines: int = 0
 
     def seqs(self) -> dict:
         """`max_num_seqs`' keywords that come from the run."""
@@ -249,11 +252,12 @@ class Request:
 
 @dataclass
 class Row:
-    gpu: int  # visible index on rank 0's node
-    physical: str  # its id in the parent's CUDA_VISIBLE_DEVICES terms
+    gpu: int  # visible index on its node
+    physical: str  # its id in the parent's CUDA_VISIBLE_DEVICES terms (rank 0's node)
     role: str
     parts: dict[str, int]  # bytes by item
     total: int
+    node: int = 0  # 0: rank 0's node; k: the k-th other node (Plan.remote_nodes)
 
 
 @dataclass
@@ -287,6 +291,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     fix: str | None = None  # the command to run instead
+    remote: int = 0  # of the dp engines, those on other nodes (vLLM's headless DP engines)
+    remote_nodes: list[int] = field(default_factory=list)  # engines on each other node
 
 
 @dataclass
@@ -328,7 +334,10 @@ def _cpu_plan(shape, req):
     ev = EvalPlacement(None, 1, 1, None, True, max(1, min(req.eval_seqs, KV_OVERCOMMIT * kv)), kv)
     row = Row(-1, "cpu", f"{req.world} trainer rank(s) + generator + eval engine", {}, 0)
     n = max_num_seqs(**req.seqs(), dp=1, kv_seqs=kv)
-    return Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
+    out = Plan([row], None, 1, 1, None, False, 1, n, kv, ev)
+    if req.remote_engines:  # weights reach other nodes by NCCL only (config.check_nodes)
+        out.errors.append(f"--remote-engines {req.remote_engines}: needs GPUs (NCCL weights)")
+    return out
 
 
 def _gpu_plan(shape, req):
@@ -342,9 +351,11 @@ def _gpu_plan(shape, req):
     kw = dict(world=req.world, tokens=req.microbatch_tokens, fp32_head=req.fp32_head)
     tr = trainer_bytes(shape, checkpointing=req.checkpointing, **kw)
     other_ac = trainer_bytes(shape, checkpointing=not req.checkpointing, **kw)
-    dp = max(1, len(gen.gpus) // req.tp)
+    remote_nodes = _remote_nodes(req, errors)
+    dp = max(1, len(gen.gpus) // req.tp) + req.remote_engines
     ev_dp = max(1, n_eval // req.tp)
     rows = _rows(req, physical, trainer, tr, gen, ev, ev_dp)
+    rows += _remote_rows(req, gen, remote_nodes, first_rank=dp - req.remote_engines)
     _check_sizes(req, rows, tr, other_ac, gen, ev, n_eval, notes, errors)
     ev_seqs = max(1, min(-(-req.eval_seqs // ev_dp), KV_OVERCOMMIT * max(ev.kv_seqs, 1)))
     ev_gpus = [physical[g] for g in ev.gpus]
@@ -353,12 +364,49 @@ def _gpu_plan(shape, req):
     dedicated = bool(gen.gpus) and not [g for g in gen.gpus if g in trainer]
     # distinct GPUs for gpu_hours: shared ones once
     devices = req.world + len({g for g in gen.gpus + ev.gpus if g not in trainer})
+    devices += req.remote_engines * req.tp
     generator = [physical[g] for g in gen.gpus]
     out = Plan(rows, generator, req.tp, dp, gen.utilization, dedicated, devices, n, gen.kv_seqs)
     out.eval = evp
+    out.remote = req.remote_engines
+    out.remote_nodes = remote_nodes
     out.notes = notes
     out.errors = errors
     return out
+
+
+def _remote_nodes(req, errors) -> list[int]:
+    """Training engines on each other node: as many tp groups as rank 0's node has GPUs, the last
+    node the rest; appends to `errors` remote engines with no GPU of their own to join."""
+    per_node = req.n_gpus // req.tp
+    if req.remote_engines and not per_node:
+        errors.append(
+            f"--remote-engines {req.remote_engines}: a node of {req.n_gpus} GPU(s) "
+            f"holds no engine of tp {req.tp}"
+        )
+        return []
+    out = []
+    left = req.remote_engines
+    while left > 0:
+        out.append(min(per_node, left))
+        left -= out[-1]
+    return out
+
+
+def _remote_rows(req, gen, remote_nodes, first_rank: int) -> list[Row]:
+    """One Row per GPU of the other nodes' engines (headless: vLLM alone, its whole share, as on
+    rank 0's node), DP ranks from `first_rank` on, after rank 0's node's."""
+    rows = []
+    rank = first_rank
+    share = int(gen.utilization * req.gpu_bytes)
+    for node, engines in enumerate(remote_nodes, start=1):
+        for g in range(engines * req.tp):
+            role = f"vLLM headless dp {rank + g // req.tp}"
+            if req.tp > 1:
+                role += f" tp {g % req.tp}"
+            rows.append(Row(g, str(g), role, {"vllm": share}, share, node))
+        rank += engines
+    return rows
 
 
 def _split_gpus(req, trainer, errors, notes) -> tuple[list[int], list[int], int]:
@@ -548,18 +596,20 @@ def describe(p: Plan) -> str:
             f"shares the cores at low priority (max_num_seqs {ev.max_num_seqs}); weights via disk"
         )
     where = "sharing the generator's" if ev.shared else "on"
+    remote = ""
+    if p.remote:
+        remote = f" and {p.remote} engine(s) on {len(p.remote_nodes)} other node(s)"
     head = (
-        f"placement: {len(p.rows)} visible GPU(s) on rank 0's node; generator tp {p.tp} x dp "
-        f"{p.dp} on physical GPU(s) {','.join(p.generator) or '-'}; eval engine tp {ev.tp} x dp "
-        f"{ev.dp} {where} physical GPU(s) {','.join(ev.gpus) or '-'}; gpu_hours counts "
-        f"{p.devices} GPU(s); vLLM max_num_seqs {p.max_num_seqs} per engine (KV cache "
-        f"~{p.kv_seqs} full-length sequences, a rollout holds ~1/{KV_OVERCOMMIT} of one on "
-        f"average), eval {ev.max_num_seqs}"
+        f"placement: {len(p.rows) - p.remote * p.tp} visible GPU(s) on rank 0's node; generator "
+        f"tp {p.tp} x dp {p.dp} on physical GPU(s) {','.join(p.generator) or '-'}{remote}; "
+        f"eval engine tp {ev.tp} x dp {ev.dp} {where} physical GPU(s) "
+        f"{','.join(ev.gpus) or '-'}; gpu_hours counts {p.devices} GPU(s); vLLM max_num_seqs "
+        f"{p.max_num_seqs} per engine (KV cache ~{p.kv_seqs} full-length sequences, a rollout "
+        f"holds ~1/{KV_OVERCOMMIT} of one on average), eval {ev.max_num_seqs}"
     )
     lines = [head]
     for r in p.rows:
         parts = " + ".join(f"{k} {_gib(v)}" for k, v in r.parts.items())
-        lines.append(
-            f"  GPU {r.gpu} (physical {r.physical}): {r.role}: ~{_gib(r.total)} GiB = {parts}"
-        )
+        where = f"node {r.node} GPU {r.gpu}" if r.node else f"GPU {r.gpu} (physical {r.physical})"
+        lines.append(f"  {where}: {r.role}: ~{_gib(r.total)} GiB = {parts}")
     return "\n".join(lines + [f"  note: {n}" for n in p.notes])

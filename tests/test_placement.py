@@ -350,3 +350,47 @@ def test_kv_warning_compares_vllms_measured_cache_with_the_plans_estimate(capsys
         assert bool(out) == warns, (measured, out)
         if warns:
             assert "holds 21 sequences" in out and "the 22 that max_num_seqs 66" in out
+
+
+def test_two_nodes_three_trainers_twelve_generator_engines_one_eval():
+    # 16 H200s: node 0 trains on 3, generates on 4 (dp 0-3, the head) and evaluates on 1; node 1
+    # runs 8 headless engines (dp 4-11): 12 generator GPUs for 3 trainer GPUs, the paper's 4:1
+    p = plan("qwen3-8b", H200, nproc=3, remote_engines=8)
+    assert p.errors == []
+    roles = [(r.node, r.gpu, r.role) for r in p.rows]
+    assert roles[:8] == [(0, g, f"trainer rank {g}") for g in range(3)] + [
+        (0, 3 + i, f"vLLM dp {i}") for i in range(4)
+    ] + [(0, 7, "vLLM eval")]
+    assert roles[8:] == [(1, g, f"vLLM headless dp {4 + g}") for g in range(8)]
+    share = int(0.9 * H200)  # a GPU vLLM has to itself
+    assert all(r.parts == {"vllm": share} and r.total == share for r in p.rows[8:])
+    assert (p.tp, p.dp, p.remote, p.remote_nodes) == (1, 12, 8, [8])
+    assert p.generator == ["3", "4", "5", "6"] and p.dedicated
+    assert p.devices == 16  # 3 trainers + 4 generator + 1 eval here, 8 there
+    # 48 x 16 rollouts x 2 batches in flight over 12 engines: 128 each, below 3 x 46 (KV cap)
+    assert p.max_num_seqs == 128 and 3 * p.kv_seqs > 128
+    text = pl.describe(p)
+    assert "and 8 engine(s) on 1 other node(s)" in text
+    assert "  node 1 GPU 7: vLLM headless dp 11: ~" in text
+
+
+def test_remote_engines_fill_nodes_of_rank0s_size_and_tp():
+    # tp 2 on 8-GPU nodes: 4 engines per other node; 6 engines: one full node and one of 2
+    p = plan("qwen3-8b", H200, nproc=4, tp=2, remote_engines=6, eval_gpus=0)
+    assert p.errors == [] and p.remote_nodes == [4, 2]
+    assert p.dp == 2 + 6
+    node2 = [(r.gpu, r.role) for r in p.rows if r.node == 2]
+    assert node2 == [
+        (0, "vLLM headless dp 6 tp 0"),
+        (1, "vLLM headless dp 6 tp 1"),
+        (2, "vLLM headless dp 7 tp 0"),
+        (3, "vLLM headless dp 7 tp 1"),
+    ]
+
+
+def test_remote_engines_refused_on_cpu():
+    shape = pl.Shape.from_config(CONFIGS["qwen3-0.6b"])
+    kw = {**PAPER, "n_gpus": 0, "gpu_bytes": 0, "world": 1, "local_world": 1}
+    assert pl.plan(shape, **kw).errors == []
+    p = pl.plan(shape, **kw, remote_engines=2)
+    assert p.errors == ["--remote-engines 2: needs GPUs (NCCL weights)"]
