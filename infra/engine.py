@@ -20,6 +20,7 @@ Where it departs from the paper, and why (the paper does not say how its generat
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import psutil  # a vLLM dependency
 import torch
 import vllm
@@ -45,6 +47,8 @@ from infra.placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size
 SHUTDOWN_TIMEOUT = 20.0
 # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 NCCL_CHECKED_ON = "0.32"
+# vLLM minor version whose MoE routers and V1 model runner `capture_routes` reads
+ROUTES_CHECKED_ON = "0.32"
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
@@ -434,6 +438,60 @@ class SamplerThread:
         return True
 
 
+def capture_routes(model_runner, store: dict) -> tuple[int, int]:
+    """Record, in a vLLM worker, the experts each MoE layer routes every computed token to (issue
+    27, `--routing-replay`): vLLM internals, checked on vLLM `ROUTES_CHECKED_ON` (V1 model runner,
+    CPU and CUDA) and pinned by tests/test_routing.py. vLLM's own capture
+    (`enable_return_routed_experts`) needs Model Runner V2, which needs Triton, so the CPU build
+    refuses it; this one hooks the same place: each MoE layer's router `set_capture_fn`
+    (fused_moe/router/base_router.py calls it with the logical top-k ids, (n, k), before any
+    expert-parallel remapping), and at the last MoE layer of a forward maps its n rows to requests
+    and positions with the runner's batch layout of that step (`input_batch.req_ids`,
+    `query_start_loc`, `positions`, set by `_prepare_inputs` before the forward). Appends to
+    `store[internal request id]` one (positions (m,) int64, experts (m, layers, k) int16) pair per
+    step; `WorkerExtension.take_routes` pops them. Tokens served from the prefix cache are not
+    computed, so they get no entry. Returns (MoE layers hooked, k); raises RuntimeError on
+    another vLLM minor version, a Model Runner V2, or a model with no MoE layer."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    if vllm.__version__.split(".")[:2] != ROUTES_CHECKED_ON.split("."):
+        raise RuntimeError(
+            f"routing capture reads vLLM {ROUTES_CHECKED_ON}'s model runner; this is vLLM "
+            f"{vllm.__version__}"
+        )
+    if not hasattr(model_runner, "input_batch"):
+        raise RuntimeError(
+            "routing capture needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+    runners = [m for m in model_runner.get_model().modules() if isinstance(m, MoERunner)]
+    runners = [m for m in runners if isinstance(m.router, BaseRouter)]
+    if not runners:
+        raise RuntimeError("routing capture: the model has no MoE layer with a vLLM router")
+    order = {m.layer_id: i for i, m in enumerate(sorted(runners, key=lambda m: m.layer_id))}
+    last = max(order)
+    step: list = [None] * len(order)  # this forward's (n, k) ids, one per MoE layer
+
+    def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
+        step[order[layer_id]] = topk_ids.to("cpu", torch.int16)
+        if layer_id != last:
+            return
+        batch = model_runner.input_batch
+        n_reqs = batch.num_reqs
+        starts = model_runner.query_start_loc.np[: n_reqs + 1]  # each request's rows
+        n = int(starts[-1])
+        positions = model_runner.positions[:n].cpu().numpy()  # (n,) each row's place in its request
+        experts = torch.stack(step, 1)[:n].numpy()  # (n, layers, k)
+        for i, rid in enumerate(batch.req_ids[:n_reqs]):
+            a, b = int(starts[i]), int(starts[i + 1])
+            if b > a:
+                store.setdefault(rid, []).append((positions[a:b].copy(), experts[a:b]))
+
+    for m in runners:
+        m.router.set_capture_fn(functools.partial(capture, m.layer_id))
+    return len(runners), runners[0].router.top_k
+
+
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
     vLLM 0.32; logged for a layer that got no weights in a reload, whose tensors it then keeps) for
@@ -469,6 +527,30 @@ class WorkerExtension:
         and the trainer stops it (Engine.shutdown). RPCs run in the worker's main thread, as
         signal.signal requires; pinned by tests/test_generate.py."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def capture_routes(self) -> tuple[int, int]:
+        """Start recording each computed token's routed experts (`capture_routes`, once per
+        worker); returns (MoE layers, k)."""
+        if not hasattr(self, "_routes"):
+            self._routes = {}
+            self._route_shape = capture_routes(self.model_runner, self._routes)
+        return self._route_shape
+
+    def take_routes(self, request_id: str) -> tuple:
+        """Pop what `capture_routes` recorded for the request vLLM calls `request_id` (vLLM 0.32
+        appends "-" and 8 random characters to the caller's id: input_processor.assign_request_id):
+        (positions, experts, shape) with positions and experts as int64 / int16 bytes (what vLLM's
+        RPC serialisation passes through intact), experts of `shape` (m, layers, k), in
+        computation order; m may be 0."""
+        taken = []
+        for rid in [r for r in self._routes if r.rpartition("-")[0] == request_id]:
+            taken += self._routes.pop(rid)
+        positions = np.zeros(0, np.int64)
+        experts = np.zeros((0, *self._route_shape), np.int16)
+        if taken:
+            positions = np.concatenate([p for p, _ in taken]).astype(np.int64)
+            experts = np.concatenate([e for _, e in taken])
+        return positions.tobytes(), experts.tobytes(), experts.shape
 
     def reload_weights_retie(self, weights_path: str) -> None:
         """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`). The warnings vLLM

@@ -176,9 +176,11 @@ def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int
         weight_transfer=backend,
         interruptions=args.interruptions,
         fp32_head=args.fp32_head,
+        routing_replay=args.routing_replay,
     )
     eval_kwargs = dict(
         train_kwargs,
+        routing_replay=False,  # evals score rollouts, never train on them
         gpus=plan.eval.gpus,
         tensor_parallel_size=plan.eval.tp,
         data_parallel_size=plan.eval.dp,
