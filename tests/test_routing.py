@@ -202,3 +202,36 @@ def test_captured_routes_cover_both_phases_and_replay_makes_the_trainer_route_al
             forward(policy, ids, torch.from_numpy(c.routes))
         experts = seen[-1][0].sort(-1).values.numpy()  # (n, L, k) the trainer used
         assert np.array_equal(experts[covered], np.sort(c.routes, -1)[covered])
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo process group in this process: train_step's reductions are collectives."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_a_train_step_replays_under_fsdp2_and_activation_checkpointing_alike(one_rank):
+    """The replay hooks stay through backward: activation checkpointing's recompute routes as the
+    forward did (else the recomputed expert batches would not match), so the step's router
+    update is the same with and without it, and the router moves."""
+    rng = np.random.default_rng(0)
+    comps = []
+    for n in (7, 11):
+        routes = rng.integers(0, E, (3 + n, 2, K)).astype(np.int16)
+        routes[:, :, 1] = (routes[:, :, 0] + 5) % E
+        comps.append(_C([1, 2, 3], rng.integers(0, 256, n).tolist(), routes))
+    batch = train.collate([_G(comps)], pad_id=0)
+    after = {}
+    for ckpt in (False, True):
+        lm = moe_lm()
+        before = loading.moe_routers(lm)[0].weight.detach().clone()
+        args = config.Args(routing_replay=True, activation_checkpointing=ckpt, lr=1e-2)
+        policy, optimizer = train.build(lm, args, torch.device("cpu"))
+        metrics = train.train_step(policy, optimizer, batch, args, torch.device("cpu"))
+        assert metrics["train/tokens"] == 18
+        after[ckpt] = loading.moe_routers(lm)[0].weight.full_tensor().detach()
+        assert not torch.allclose(after[ckpt], before)
+    torch.testing.assert_close(after[True], after[False], rtol=1e-6, atol=1e-7)
