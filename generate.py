@@ -268,8 +268,12 @@ class Sampler:
         try:
             await self.engine.client.update_weight_version(str(self.version))
             await self.engine.client.collective_rpc("ignore_sigint")
+            # vLLM's own capture when the engine returns routed experts (CUDA, Model Runner V2,
+            # engine argument enable_return_routed_experts), else its workers record them
             if self.routing_replay:
-                await self.engine.client.collective_rpc("capture_routes")
+                aux = self.engine.client.vllm_config.aux_output_config
+                if not aux.enable_return_routed_experts:
+                    await self.engine.client.collective_rpc("capture_routes")
         except BaseException:
             self.engine.shutdown()
             raise
