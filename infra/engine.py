@@ -24,6 +24,7 @@ Where it departs from the paper, and why (the paper does not say how its generat
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import psutil  # a vLLM dependency
 import torch
 import vllm
@@ -52,6 +54,8 @@ from infra.placement import CPU_KV_CACHE_GIB  # the KV cache on CPU when no size
 SHUTDOWN_TIMEOUT = 20.0
 # vLLM minor version whose weight-transfer API (vllm.distributed.weight_transfer) we drive
 NCCL_CHECKED_ON = "0.32"
+# vLLM minor version whose MoE routers and V1 model runner `capture_routes` reads
+ROUTES_CHECKED_ON = "0.32"
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
@@ -131,13 +135,16 @@ def engine_args(
     weight_transfer: str = "disk",
     fp32_head: bool = True,
     nodes: DPNodes | None = None,
+    routed_experts: bool = False,
 ) -> AsyncEngineArgs:
     """vLLM engine arguments for RL sampling ("auto" dtype on CPU means bfloat16). CPU defaults:
     eager mode and a 1 GiB KV cache (a fraction of RAM fails whenever other processes hold memory);
     GPU: CUDA graphs, 85% memory. Requests are served by priority (`generate.ANSWER_PRIORITY`).
     fp32_head=False leaves the LM head in the model dtype (the paper's `loo-fp32` ablation).
     nodes: data-parallel engines across nodes (`DPNodes`): data_parallel_size counts every engine,
-    of which nodes.local run here (the head's) or, headless, from nodes.start_rank on."""
+    of which nodes.local run here (the head's) or, headless, from nodes.start_rank on.
+    routed_experts: on CUDA, vLLM returns each token's routed experts (--routing-replay; Model
+    Runner V2, which needs Triton: on CPU the workers record them instead, `capture_routes`)."""
     if not cuda and gpu_memory_utilization is None and kv_cache_gib is None:
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
@@ -166,6 +173,7 @@ def engine_args(
         worker_extension_cls="infra.engine.WorkerExtension",
         # on a GPU vLLM's stats (KV cache use, preemptions) are what tunes max_num_seqs
         disable_log_stats=not cuda,
+        enable_return_routed_experts=routed_experts and cuda,
         **(nodes.vllm_kwargs() if nodes else {}),
     )
 
@@ -522,6 +530,60 @@ class SamplerThread:
         return True
 
 
+def capture_routes(model_runner, store: dict) -> tuple[int, int]:
+    """Record, in a vLLM worker, the experts each MoE layer routes every computed token to (issue
+    27, `--routing-replay`): vLLM internals, checked on vLLM `ROUTES_CHECKED_ON` (V1 model runner,
+    CPU and CUDA) and pinned by tests/test_routing.py. vLLM's own capture
+    (`enable_return_routed_experts`) needs Model Runner V2, which needs Triton, so the CPU build
+    refuses it; this one hooks the same place: each MoE layer's router `set_capture_fn`
+    (fused_moe/router/base_router.py calls it with the logical top-k ids, (n, k), before any
+    expert-parallel remapping), and at the last MoE layer of a forward maps its n rows to requests
+    and positions with the runner's batch layout of that step (`input_batch.req_ids`,
+    `query_start_loc`, `positions`, set by `_prepare_inputs` before the forward). Appends to
+    `store[internal request id]` one (positions (m,) int64, experts (m, layers, k) int16) pair per
+    step; `WorkerExtension.take_routes` pops them. Tokens served from the prefix cache are not
+    computed, so they get no entry. Returns (MoE layers hooked, k); raises RuntimeError on
+    another vLLM minor version, a Model Runner V2, or a model with no MoE layer."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    if vllm.__version__.split(".")[:2] != ROUTES_CHECKED_ON.split("."):
+        raise RuntimeError(
+            f"routing capture reads vLLM {ROUTES_CHECKED_ON}'s model runner; this is vLLM "
+            f"{vllm.__version__}"
+        )
+    if not hasattr(model_runner, "input_batch"):
+        raise RuntimeError(
+            "routing capture needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+    runners = [m for m in model_runner.get_model().modules() if isinstance(m, MoERunner)]
+    runners = [m for m in runners if isinstance(m.router, BaseRouter)]
+    if not runners:
+        raise RuntimeError("routing capture: the model has no MoE layer with a vLLM router")
+    order = {m.layer_id: i for i, m in enumerate(sorted(runners, key=lambda m: m.layer_id))}
+    last = max(order)
+    step: list = [None] * len(order)  # this forward's (n, k) ids, one per MoE layer
+
+    def capture(layer_id: int, topk_ids: torch.Tensor) -> None:
+        step[order[layer_id]] = topk_ids.to("cpu", torch.int16)
+        if layer_id != last:
+            return
+        batch = model_runner.input_batch
+        n_reqs = batch.num_reqs
+        starts = model_runner.query_start_loc.np[: n_reqs + 1]  # each request's rows
+        n = int(starts[-1])
+        positions = model_runner.positions[:n].cpu().numpy()  # (n,) each row's place in its request
+        experts = torch.stack(step, 1)[:n].numpy()  # (n, layers, k)
+        for i, rid in enumerate(batch.req_ids[:n_reqs]):
+            a, b = int(starts[i]), int(starts[i + 1])
+            if b > a:
+                store.setdefault(rid, []).append((positions[a:b].copy(), experts[a:b]))
+
+    for m in runners:
+        m.router.set_capture_fn(functools.partial(capture, m.layer_id))
+    return len(runners), runners[0].router.top_k
+
+
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
     vLLM 0.32; logged for a layer that got no weights in a reload, whose tensors it then keeps) for
@@ -557,6 +619,30 @@ class WorkerExtension:
         and the trainer stops it (Engine.shutdown). RPCs run in the worker's main thread, as
         signal.signal requires; pinned by tests/test_generate.py."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def capture_routes(self) -> tuple[int, int]:
+        """Start recording each computed token's routed experts (`capture_routes`, once per
+        worker); returns (MoE layers, k)."""
+        if not hasattr(self, "_routes"):
+            self._routes = {}
+            self._route_shape = capture_routes(self.model_runner, self._routes)
+        return self._route_shape
+
+    def take_routes(self, request_id: str) -> tuple:
+        """Pop what `capture_routes` recorded for the request vLLM calls `request_id` (vLLM 0.32
+        appends "-" and 8 random characters to the caller's id: input_processor.assign_request_id):
+        (positions, experts, shape) with positions and experts as int64 / int16 bytes (what vLLM's
+        RPC serialisation passes through intact), experts of `shape` (m, layers, k), in
+        computation order; m may be 0."""
+        taken = []
+        for rid in [r for r in self._routes if r.rpartition("-")[0] == request_id]:
+            taken += self._routes.pop(rid)
+        positions = np.zeros(0, np.int64)
+        experts = np.zeros((0, *self._route_shape), np.int16)
+        if taken:
+            positions = np.concatenate([p for p, _ in taken]).astype(np.int64)
+            experts = np.concatenate([e for _, e in taken])
+        return positions.tobytes(), experts.tobytes(), experts.shape
 
     def reload_weights_retie(self, weights_path: str) -> None:
         """vLLM's `reload_weights`, then re-prepare a tied LM head (`_retie`). The warnings vLLM
@@ -710,6 +796,7 @@ HEADLESS_KEYS = (
     "gpu_memory_utilization",
     "kv_cache_gib",
     "weight_transfer",
+    "routed_experts",
 )
 
 
@@ -722,8 +809,11 @@ def headless_command(model: str, nodes: DPNodes, **kwargs) -> str:
         raise ValueError(f"headless_command: not an engine argument it carries: {sorted(unknown)}")
     words = ["python -m infra.engine --headless", f"--model {shlex.quote(model)}"]
     for key in HEADLESS_KEYS:
-        if kwargs.get(key) is not None:
-            words.append(f"--{key.replace('_', '-')} {kwargs[key]}")
+        value = kwargs.get(key)
+        if isinstance(value, bool):  # a switch: its flag alone when on
+            words += [f"--{key.replace('_', '-')}"] if value else []
+        elif value is not None:
+            words.append(f"--{key.replace('_', '-')} {value}")
     if not kwargs.get("fp32_head", True):
         words.append("--no-fp32-head")
     words.append(f"--address {nodes.address} --port {nodes.port}")
@@ -749,6 +839,7 @@ def headless_args(argv: list[str], cuda: bool | None = None) -> AsyncEngineArgs:
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--kv-cache-gib", type=float)
     parser.add_argument("--weight-transfer", default="nccl", choices=["disk", "nccl"])
+    parser.add_argument("--routed-experts", action="store_true")
     parser.add_argument("--no-fp32-head", dest="fp32_head", action="store_false")
     parser.add_argument("--address", required=True)
     parser.add_argument("--port", type=int, required=True)

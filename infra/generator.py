@@ -181,10 +181,12 @@ def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int
         interruptions=args.interruptions,
         fp32_head=args.fp32_head,
         nodes=dp_nodes(args, plan),
+        routing_replay=args.routing_replay,
     )
     eval_kwargs = dict(
         train_kwargs,
         nodes=None,  # on rank 0's node only
+        routing_replay=False,  # evals score rollouts, never train on them
         gpus=plan.eval.gpus,
         tensor_parallel_size=plan.eval.tp,
         data_parallel_size=plan.eval.dp,
@@ -211,6 +213,7 @@ def headless_commands(args: Args, plan, model: str, train_kwargs: dict) -> list[
     arguments (`train_kwargs`, sampler_kwargs' first) and the start model `model`."""
     keys = engine.HEADLESS_KEYS + ("fp32_head",)
     kwargs = {k: train_kwargs[k] for k in keys if k in train_kwargs}
+    kwargs["routed_experts"] = train_kwargs.get("routing_replay", False)  # the Sampler's name
     out = []
     rank = plan.dp - plan.remote
     for n in plan.remote_nodes:

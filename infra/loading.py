@@ -48,6 +48,10 @@ LOGIT_SCALES = {
     "falcon_h1": ("lm_head_multiplier", 1),
     "minicpm3": ("logits_scaling", -1),
 }
+# MoE routers whose forward is transformers 5.19's Qwen3MoeTopKRouter: (router_logits (n, E),
+# top-k softmax probabilities (renormalised if norm_topk_prob), top-k expert ids (n, k)), which
+# replay_routing's hook rewrites; pinned by tests/test_routing.py
+MOE_ROUTERS = ("Qwen3MoeTopKRouter",)
 # config fields of a tanh soft cap on the final logits (Gemma 2/3/3n/4, VaultGemma, NanoChat;
 # RecurrentGemma): cap * tanh(logits / cap), which token_logprobs does not compute
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
@@ -121,6 +125,45 @@ def decoder_layers(lm) -> list:
             f"_no_split_modules ({', '.join(sorted(classes)) or 'none'}); not supported"
         )
     return layers
+
+
+def moe_routers(lm) -> list:
+    """The model's MoE routers (modules of a class in MOE_ROUTERS), in layer order: the layers axis
+    of a rollout's routes (generate.Completion.routes, vLLM's MoE layers in the same order)."""
+    return [m for m in lm.modules() if type(m).__name__ in MOE_ROUTERS]
+
+
+def replay_routing(lm, routes_of) -> int:
+    """Rollout routing replay (R3, arXiv 2510.11370; issue 27, `--routing-replay`): a forward hook
+    on each MoE router (moe_routers) that routes each token to the experts vLLM chose for it, where
+    known. `routes_of()` gives the current forward's routes, (n, layers, k) integer, n = the
+    decoder's flattened tokens (rows x columns, the order of transformers' MoE block), -1 where
+    vLLM computed none, or None (the trainer routes itself). Per token and layer: selected experts
+    = vLLM's where all k are known, else the router's own top-k; gating weights = the router's own
+    softmax probabilities at those experts, renormalised where the config says norm_topk_prob (as
+    the router does), so gradients still reach the router's weight through its logits. With the
+    router's own routes it returns exactly what the router did (the same gather of the same
+    probabilities). The hooks stay for the model's life, so activation checkpointing's recompute
+    in backward replays too. Returns the routers hooked (0: a dense model)."""
+    routers = moe_routers(lm)
+    for layer, router in enumerate(routers):
+
+        def hook(module, args, out, layer=layer):
+            routes = routes_of()
+            if routes is None:
+                return out
+            logits, _, own = out  # (n, E), (n, k), (n, k)
+            given = routes[:, layer].to(own.dtype)  # (n, k)
+            known = (given >= 0).all(-1, keepdim=True)  # (n, 1)
+            experts = torch.where(known, given, own)  # (n, k)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # (n, E), as the router
+            weights = probs.gather(1, experts)  # (n, k)
+            if module.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), experts
+
+        router.register_forward_hook(hook)
+    return len(routers)
 
 
 def without_dropout(config) -> None:
@@ -348,6 +391,12 @@ def load_model(args: Args, path: str):
         decoder_layers(lm)
     except ValueError as e:
         raise BadInput(f"--model {args.model}: {e}", 1) from None
+    if args.routing_replay and not moe_routers(lm):
+        raise BadInput(
+            f"--routing-replay: --model {args.model} has no MoE router "
+            f"({', '.join(MOE_ROUTERS)}) to replay",
+            1,
+        )
     return lm
 
 

@@ -532,8 +532,13 @@ def test_the_engine_takes_the_phases_priority_and_engine_rank(vllm_engine, tmp_p
     )
     assert phases == [("0", 0, None)] * 2 + [("1", -1, None)] * 2
     phase = s._phase(PROMPT, 5, 1.0, [], str(s.loads), request_id="rank-0", priority=-1, rank=0)
-    tokens, reason = run(phase)
-    assert len(tokens.ids) == 5 and set(tokens.ids) <= set(LETTERS) and reason == "length"
+    tokens, reason, routes = run(phase)
+    assert (
+        len(tokens.ids) == 5
+        and set(tokens.ids) <= set(LETTERS)
+        and reason == "length"
+        and routes is None
+    )
 
 
 @pytest.mark.vllm
