@@ -68,6 +68,22 @@ def test_headless_command_carries_the_heads_engine_arguments():
         engine.headless_command("/m", there, gpus=[0])
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_routing_replay_asks_vllm_for_routes_on_cuda_on_every_node(cuda):
+    # vLLM returns routed experts only with Model Runner V2 (CUDA); on CPU the workers record them
+    nodes = engine.DPNodes("10.0.0.1", 29550, 4)
+    head = engine.engine_args("/m", cuda=cuda, nodes=nodes, routed_experts=True)
+    assert head.enable_return_routed_experts is cuda
+    assert engine.engine_args("/m", cuda=cuda).enable_return_routed_experts is False
+    there = engine.DPNodes("10.0.0.1", 29550, 8, start_rank=4)
+    words = engine.headless_command("/m", there, routed_experts=True, data_parallel_size=12)
+    assert " --routed-experts " in words
+    parsed = engine.headless_args(words.split()[3:], cuda=cuda)
+    assert parsed.enable_return_routed_experts is cuda
+    off = engine.headless_command("/m", there, routed_experts=False, data_parallel_size=12)
+    assert "--routed-experts" not in off
+
+
 def test_remote_engines_need_a_routable_address_and_nccl():
     config.check_nodes(0, None, "disk")  # one node: nothing asked
     config.check_nodes(8, "10.0.0.1", "auto")
