@@ -625,7 +625,7 @@ def main(args: Args) -> None:
             m.update({"time/eval_wait_s": t3 - t2, "time/publish_s": time.perf_counter() - t3})
             # ---- 4. compute clock (the eval engine's devices count: it runs meanwhile), log,
             # checkpoint; a stop (Ctrl-C on any rank) ends the run after its checkpoint
-            log.end_step(step, m, time.perf_counter() - t0, inputs.n_params, tag, pool.num_active)
+            log.end_step(step, m, time.perf_counter() - t0, inputs.n_active, tag, pool.num_active)
             stop_now = launch.stop_agreed(stop)
             # a checkpoint every save_every steps, at the last step, and before a stop
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:

@@ -279,7 +279,8 @@ class Inputs:
     gen_dtype: torch.dtype  # the sampler's weights (sampler_dtype)
     plan: placement.Plan  # trainer ranks, vLLM engines, their GPUs and memory
     lm: torch.nn.Module  # the fp32 master weights
-    n_params: int
+    n_params: int  # all of them (memory, weight transfers)
+    n_active: int  # those one token runs through (FLOPs): an MoE's routed experts only
 
 
 def load_inputs(args: Args, world: int, device) -> Inputs:
@@ -303,7 +304,10 @@ def load_inputs(args: Args, world: int, device) -> Inputs:
         check_cpu_memory(int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30), 2)
     lm = load_model(args, path)
     n_params = sum(p.numel() for p in lm.parameters())
-    return Inputs(path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params)
+    n_active = n_params - placement.inactive_params(lm.config.get_text_config())
+    return Inputs(
+        path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params, n_active
+    )
 
 
 def check_cpu_memory(kv_cache_bytes: int, caches: int = 1) -> None:

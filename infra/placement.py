@@ -75,6 +75,17 @@ def sparse_layers(cfg) -> list[int]:
     return [i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
 
+def inactive_params(cfg) -> int:
+    """The parameters a token does not run through: an MoE's (Qwen3-MoE) num_experts - top_k
+    experts of each sparse layer, 3 H x moe_intermediate_size each; 0 for a dense config. Total
+    minus this is what FLOPs per token count (2 N generated, 6 N trained)."""
+    sparse = len(sparse_layers(cfg))
+    if not sparse:
+        return 0
+    unused = cfg.num_experts - cfg.num_experts_per_tok
+    return sparse * unused * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the memory estimate needs of a decoder-only LM (a Hugging Face config's sizes)."""
