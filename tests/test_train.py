@@ -275,7 +275,7 @@ FLAG_ERRORS = [
     (
         ["--model", "nope"],
         "--model nope: not a preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, "
-        "qwen3-4b, qwen3-8b), a hub id (org/name) or a directory",
+        "qwen3-4b, qwen3-8b, qwen3-30b-a3b, tiny-moe), a hub id (org/name) or a directory",
     ),
     (["--model", "tests"], "--model tests: not a model directory (no config.json in it)"),
 ]
