@@ -32,6 +32,10 @@ Where it departs from the paper, and why:
    epoch, ~1k steps at batch 768 (A.5, A.6), which on the qwen3 presets (5,000 steps at batch 768)
    is FIT_FROM_FRACTION = 1/5 of the run's compute, whatever the GPUs' speed. The tiny preset fits
    from its first eval: its early evals are its curve.
+8. An MoE trains without a load-balancing loss by default (--router-aux-loss-coef 0): the paper
+   mentions no load-balancing or router loss for its MoE (Llama-4 Scout) runs, only the policy
+   loss; transformers' Qwen3-MoE computes one only when asked (output_router_logits, off in its
+   config); RL trainers of MoEs commonly leave it off. > 0 adds it (train.microbatch_loss).
 """
 
 import argparse
@@ -91,10 +95,10 @@ class Args:
     long waits (vLLM starting, rollouts, evals) keep the other ranks polling every second"""
     # --- model and devices
     model: str = "tiny"
-    """preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), Hugging Face id or
-    local dir"""
+    """preset (tiny, tiny-moe, smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b,
+    qwen3-30b-a3b), Hugging Face id or local dir"""
     path: str | None = None
-    """weights to start from (default: the preset's; `tiny` builds its own)"""
+    """weights to start from (default: the preset's; `tiny` and `tiny-moe` build their own)"""
     generator_gpus: list[int] | None = None
     """GPUs for vLLM, tp x dp of them, as indices into the visible ones (CUDA_VISIBLE_DEVICES
     order); default: every visible GPU of rank 0's node that no trainer rank uses"""
@@ -204,6 +208,9 @@ class Args:
     routing_replay: bool = False
     """MoE only: the trainer routes each token to the experts vLLM sampled it with (R3, arXiv
     2510.11370), gating by its own router; off: the trainer routes itself (issue 27)"""
+    router_aux_loss_coef: float = 0.0
+    """an MoE's load-balancing loss (Switch Transformer's, as transformers computes it) x this,
+    added to the policy loss; 0: off, as the paper states none for its MoE (departure 8)"""
     # --- optimizer
     lr: float = 1e-4
     """AdamW learning rate, constant after warmup (paper: 5e-7 for 8B)"""
@@ -300,8 +307,17 @@ PRESETS = {
     "qwen3-4b": dict(PAPER_GEN, path="Qwen/Qwen3-4B", lr=5e-7, activation_checkpointing=True),
     # paper A.3: lr 5e-7 (for 8B)
     "qwen3-8b": dict(PAPER_GEN, path="Qwen/Qwen3-8B", lr=5e-7, activation_checkpointing=True),
+    # an MoE of 128 experts, 8 per token: 30.5B parameters, 3.3B per token. lr: the paper's one
+    # value, 5e-7 (A.3), which it states for its runs without another for its MoE (Scout). On one
+    # node of 8 x 80 GB it fits nowhere: the placement plan says what it needs (infra/placement.py)
+    "qwen3-30b-a3b": dict(
+        PAPER_GEN, path="Qwen/Qwen3-30B-A3B", lr=5e-7, activation_checkpointing=True
+    ),
     "hf": dict(PAPER_GEN, path=None, lr=1e-6, activation_checkpointing=True),
 }
+# tiny's mixture-of-experts twin (tasks/tiny.py TINY_MOE: 8 experts of width 192, 2 per token, ~1.3M
+# parameters, tiny's active MLP width), warm-started the same way, run at tiny's sizes
+PRESETS["tiny-moe"] = dict(PRESETS["tiny"])
 # An unknown model without CUDA: the smollm2-135m row's sizes (minutes per step on a few cores, not
 # the paper-scale days of "hf"), with room for a thinking model's budget; the data stays the user's
 # --data, else gsm8k.
@@ -626,6 +642,8 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(f"--gspo-eps-low {args.gspo_eps_low}: must be >= 0")
     if args.gspo_eps_high < 0:
         raise BadInput(f"--gspo-eps-high {args.gspo_eps_high}: must be >= 0")
+    if not 0 <= args.router_aux_loss_coef < math.inf:  # an MoE at all: loading.load_model
+        raise BadInput(f"--router-aux-loss-coef {args.router_aux_loss_coef}: must be >= 0")
     # --- optimizer
     if args.lr <= 0:
         raise BadInput(f"--lr {args.lr}: must be > 0")

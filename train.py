@@ -62,6 +62,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import filters
 import loss
@@ -100,28 +101,40 @@ class Policy(torch.nn.Module):
         targets,
         temperature: float,
         routes=None,
+        router_aux: bool = False,
     ):
         """input_ids (R, C): R right-padded rows with attention_mask (R, C) (None when no row is
         padded: causal attention, SDPA's flash kernel on GPU), or one packed row (R = 1) of several
         sequences with position_ids (1, C) restarting at 0 for each and no mask. pred (N,) long:
         flat indices into the R * C positions whose hidden state predicts targets (N,) long.
         routes (R * C, layers, k) int16 or None: with routing replay, the experts of each position
-        (-1: the trainer's own). Returns logp (N,) float32."""
+        (-1: the trainer's own). Returns logp (N,) float32; with router_aux (an MoE:
+        loading.router_experts), (logp, aux): aux the 0-dim load-balancing loss of every layer's
+        router over the real tokens (transformers' load_balancing_loss_func, Switch Transformer
+        eqs. 4-6, as Qwen3MoeForCausalLM computes it with output_router_logits)."""
         self.routes = routes
         decoder = self.lm.get_decoder()
-        hidden = decoder(
+        out = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
-        ).last_hidden_state  # (R, C, H)
+            **({"output_router_logits": True} if router_aux else {}),
+        )
+        hidden = out.last_hidden_state  # (R, C, H)
         hidden = hidden.flatten(0, 1).index_select(0, pred)  # (N, H): only predicting positions
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         head_dtype = torch.float32 if self.fp32_head else hidden.dtype
         # the model's logit scale s folded into the temperature: vLLM samples from
         # softmax(logits * s / T) = softmax(logits / (T / s)) (LogitsProcessor(scale), then T)
         t = temperature / self.logit_scale
-        return loss.token_logprobs(hidden, weight, targets, t, head_dtype=head_dtype)
+        logp = loss.token_logprobs(hidden, weight, targets, t, head_dtype=head_dtype)
+        if not router_aux:
+            return logp
+        experts, top_k = loading.router_experts(self.lm.config)
+        # out.router_logits: one (R * C, experts) tensor per sparse layer
+        aux = load_balancing_loss_func(out.router_logits, experts, top_k, attention_mask)
+        return logp, aux
 
 
 def shard(policy: Policy, device) -> None:
@@ -354,17 +367,17 @@ def microbatch_loss(policy, mb: dict, args: Args):
     """Forward and loss of one micro-batch (microbatch's tensors, on the device). Returns (loss,
     metrics, logp): from loss.policy_loss the 0-dim loss, this micro-batch's share of the
     full-batch loss, and its metrics (sums over valid tokens, rho's extremes); logp (N,) float32,
-    the log-probs of its completion tokens."""
-    logp = policy(
-        mb["input_ids"],
-        mb["attention_mask"],
-        mb["position_ids"],
-        mb["pred"],
-        mb["targets"],
-        args.temperature,
-        mb.get("routes"),
-    )  # (N,) float32
+    the log-probs of its completion tokens. With --router-aux-loss-coef c > 0 (an MoE) the loss
+    adds c x the routers' load-balancing loss of the micro-batch (Policy.forward) weighted by its
+    share of the batch's aggregation weights (w.sum(), which sums to 1 over the batch: an empty
+    micro-batch adds nothing), so that micro-batches and ranks sum to one batch-level term."""
+    inputs = (mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["pred"], mb["targets"])
+    inputs += (args.temperature, mb.get("routes"))
     w = mb["weights"]  # (s, width)
+    if args.router_aux_loss_coef:
+        logp, aux = policy(*inputs, router_aux=True)  # (N,) float32, 0-dim
+    else:
+        logp = policy(*inputs)  # (N,) float32
     # the N log-probs into the loss layout; the other positions are padding (weight 0)
     full = logp.new_zeros(w.numel()).index_copy(0, mb["dst"], logp).view_as(w)  # (s, width)
     l, metrics = loss.policy_loss(
@@ -379,6 +392,8 @@ def microbatch_loss(policy, mb: dict, args: Args):
         gspo_eps_low=args.gspo_eps_low,
         gspo_eps_high=args.gspo_eps_high,
     )
+    if args.router_aux_loss_coef:
+        l = l + args.router_aux_loss_coef * w.sum() * aux
     return l, metrics, logp
 
 
@@ -637,7 +652,7 @@ def main(args: Args) -> None:
             m.update({"time/eval_wait_s": t3 - t2, "time/publish_s": time.perf_counter() - t3})
             # ---- 4. compute clock (the eval engine's devices count: it runs meanwhile), log,
             # checkpoint; a stop (Ctrl-C on any rank) ends the run after its checkpoint
-            log.end_step(step, m, time.perf_counter() - t0, inputs.n_params, tag, pool.num_active)
+            log.end_step(step, m, time.perf_counter() - t0, inputs.n_active, tag, pool.num_active)
             stop_now = launch.stop_agreed(stop)
             # a checkpoint every save_every steps, at the last step, and before a stop
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:

@@ -501,7 +501,7 @@ class SimTrainer:
             len(c.prompt_ids) + len(c.completion_ids) for g in batch.groups for c in g.completions
         ]
         flops = trainer_flops(
-            lens, params=SHAPE.params, checkpointing=self.args.activation_checkpointing
+            lens, params=SHAPE.active, checkpointing=self.args.activation_checkpointing
         )
         trainers = self.lay.split[0]
         train_s = flops / (trainers * self.lay.gpu.flops * MFU) + self.export_s

@@ -649,6 +649,7 @@ class WorkerExtension:
         logs for the layers a checkpoint never holds are dropped (`_NothingToReload`)."""
         model = self.model_runner.get_model()
         quiet_reload_warnings(bool(model.config.tie_word_embeddings))
+        self._forget_moe_kernels()
         self.reload_weights(weights_path=weights_path)
         self._retie()
 
@@ -666,11 +667,32 @@ class WorkerExtension:
         pairs = torch.load(path, weights_only=True)
         model = self.model_runner.get_model()
         quiet_reload_warnings(bool(model.config.tie_word_embeddings))
+        self._forget_moe_kernels()
         initialize_layerwise_reload(model)
         for i in range(0, len(pairs), chunk):
             model.load_weights(pairs[i : i + chunk])
         finalize_layerwise_reload(model, self.model_runner.model_config)
         self._retie()
+
+    def _forget_moe_kernels(self) -> None:
+        """Before a reload on CPU, drop each MoE layer's kernel so that the reload prepacks the
+        new experts: vLLM internals, checked on vLLM 0.32 and pinned by the tiny-moe reload test
+        in tests/test_train.py. A reload re-runs UnquantizedFusedMoEMethod's
+        process_weights_after_loading, which, finding its kernel built (moe_kernel not None: "a
+        weight update"), skips the experts' own process_weights_after_loading: on CPU the padding
+        and prepacking of w13 / w2 into the grouped-GEMM layout (experts/cpu_moe.py), so the
+        kernel read the new weights unpacked (log-probs off by ~8 nats from the first reload on).
+        Without a kernel the reload takes the first load's path (pad, prepack, a new kernel) and
+        its result is copied into the old storage as for any layer. GPU backends prepack nothing
+        there: left alone."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if type(method).__name__ == "UnquantizedFusedMoEMethod":
+                method.moe_kernel = None
 
     def _retie(self) -> None:
         """Re-prepare a tied LM head after a reload: vLLM internals, checked on vLLM 0.32 and pinned

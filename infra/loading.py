@@ -101,6 +101,16 @@ def logit_scale(lm) -> float:
     return head_scale(lm.config)
 
 
+def router_experts(model_config) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts config (Qwen3-MoE's num_experts and
+    num_experts_per_tok; Mixtral's num_local_experts), None for a dense one."""
+    text = model_config.get_text_config()
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return None
+    return experts, text.num_experts_per_tok
+
+
 def decoder_layers(lm) -> list:
     """The modules train.shard wraps one by one: those whose class the model names in
     _no_split_modules (its decoder layers; what transformers' Trainer and accelerate wrap for FSDP),
@@ -228,13 +238,16 @@ def hub_model(repo: str) -> str:
 
 
 def model_path(args: Args, master: bool) -> str:
-    """The model directory or hub id: --model's path, else the tiny model (built once and cached;
-    rank 0 builds, the others wait) or SmolLM2. A hub id is resolved to its cached snapshot
-    (hub_model). Raises BadInput (code 1)."""
+    """The model directory or hub id: --model's path, else the tiny model or its MoE twin (built
+    once and cached; rank 0 builds, the others wait) or SmolLM2. A hub id is resolved to its
+    cached snapshot (hub_model). Raises BadInput (code 1)."""
     path = [args.path, None]  # the model directory or hub id, and rank 0's error building it
     if path[0] is None and master:
         try:
-            path[0] = tiny.build(seed=args.seed) if args.model == "tiny" else tiny.smollm2()
+            if args.model in ("tiny", "tiny-moe"):
+                path[0] = tiny.build(seed=args.seed, moe=args.model == "tiny-moe")
+            else:
+                path[0] = tiny.smollm2()
         except RuntimeError as e:  # smollm2 without its packages: the message gives the pip command
             path[1] = str(e)
     dist.broadcast_object_list(path)
@@ -309,7 +322,8 @@ class Inputs:
     gen_dtype: torch.dtype  # the sampler's weights (sampler_dtype)
     plan: placement.Plan  # trainer ranks, vLLM engines, their GPUs and memory
     lm: torch.nn.Module  # the fp32 master weights
-    n_params: int
+    n_params: int  # all of them (memory, weight transfers)
+    n_active: int  # those one token runs through (FLOPs): an MoE's routed experts only
 
 
 def load_inputs(args: Args, world: int, device) -> Inputs:
@@ -333,7 +347,10 @@ def load_inputs(args: Args, world: int, device) -> Inputs:
         check_cpu_memory(int((args.kv_cache_gib or placement.CPU_KV_CACHE_GIB) * 2**30), 2)
     lm = load_model(args, path)
     n_params = sum(p.numel() for p in lm.parameters())
-    return Inputs(path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params)
+    n_active = n_params - placement.inactive_params(lm.config.get_text_config())
+    return Inputs(
+        path, tokenizer, prompts, thinking, reward_fn, P, gen_dtype, plan, lm, n_params, n_active
+    )
 
 
 def check_cpu_memory(kv_cache_bytes: int, caches: int = 1) -> None:
@@ -371,7 +388,8 @@ def sampler_dtype(args: Args, device) -> torch.dtype:
 def load_model(args: Args, path: str):
     """The fp32 master weights (seeded by --seed), built with dropout off (without_dropout). Raises
     BadInput (code 1) naming --model: weights that do not load, a head the trainer cannot compute
-    as the model does (logit_scale), no decoder layers to shard (decoder_layers)."""
+    as the model does (logit_scale), no decoder layers to shard (decoder_layers); naming
+    --router-aux-loss-coef when it is > 0 on a model with no router (router_experts)."""
     torch.manual_seed(args.seed)
     try:
         model_config = AutoConfig.from_pretrained(path)
@@ -381,6 +399,12 @@ def load_model(args: Args, path: str):
         head_scale(model_config)  # before the weights: a refused model is never loaded
     except ValueError as e:
         raise BadInput(f"--model {args.model}: {e}", 1) from None
+    if args.router_aux_loss_coef and router_experts(model_config) is None:
+        raise BadInput(
+            f"--router-aux-loss-coef {args.router_aux_loss_coef}: --model {args.model} is not a "
+            "mixture of experts (no router to balance); leave it at 0",
+            1,
+        )
     try:
         without_dropout(model_config)
         lm = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch.float32)

@@ -25,9 +25,11 @@ Where the estimates depart from a measurement, and why:
    input and one layer at a time holds everything it saves for backward; without, every layer does.
    Saved per token and layer (bf16, counted from the Qwen3 layer: two RMSNorms in fp32, q/k norms,
    RoPE, SDPA inputs and output, SwiGLU): 2 (6 H + 5 H_q + 5 H_kv + 4 I) bytes, ~194 KiB at
-   Qwen3-8B's width (bench/gpu_trainer.py's estimate: ~206 KiB). The fp32 head (loss.token_logprobs)
-   adds two (1024, V) fp32 blocks, the hidden gradient and a fp32 copy of the head weight and its
-   gradient. Plus CONTEXT_BYTES per process. Not measured on a GPU by this project yet.
+   Qwen3-8B's width (bench/gpu_trainer.py's estimate: ~206 KiB); an MoE layer (Qwen3-MoE) with
+   I = top_k x the expert width, plus 2 (2 top_k H) for each token's routed copies. The fp32
+   head (loss.token_logprobs) adds two (1024, V) fp32 blocks, the hidden gradient and a fp32 copy
+   of the head weight and its gradient. Plus CONTEXT_BYTES per process. Not measured on a GPU by
+   this project yet.
 2. Generator: vLLM takes `utilization` of the GPU (its own rule): weights / tp (the fp32 LM head in
    fp32), VLLM_RESERVE_BYTES for activations and CUDA graphs, and the rest for the KV cache.
 3. Concurrency: an engine's max_num_seqs is KV_OVERCOMMIT (3) x the max_model_len sequences its KV
@@ -61,31 +63,74 @@ KV_OVERCOMMIT = 3
 EVAL_SHARED_SEQS = 4
 
 
+def sparse_layers(cfg) -> list[int]:
+    """The decoder layers whose MLP is a mixture of experts in a Qwen3-MoE (or Qwen2-MoE) config:
+    layer i unless it is in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (transformers
+    5.19 Qwen3MoeDecoderLayer; the others keep a dense MLP of intermediate_size). [] for a dense
+    config (no num_experts)."""
+    if not getattr(cfg, "num_experts", 0):
+        return []
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    return [i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def inactive_params(cfg) -> int:
+    """The parameters a token does not run through: an MoE's (Qwen3-MoE) num_experts - top_k
+    experts of each sparse layer, 3 H x moe_intermediate_size each; 0 for a dense config. Total
+    minus this is what FLOPs per token count (2 N generated, 6 N trained)."""
+    sparse = len(sparse_layers(cfg))
+    if not sparse:
+        return 0
+    unused = cfg.num_experts - cfg.num_experts_per_tok
+    return sparse * unused * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the memory estimate needs of a decoder-only LM (a Hugging Face config's sizes)."""
 
-    params: int
+    params: int  # all of them: what memory holds (an MoE's every expert)
     hidden: int  # H
-    intermediate: int  # I, the SwiGLU width
+    intermediate: int  # I, the SwiGLU width one token runs through (an MoE: top_k x expert width)
     layers: int
     vocab: int  # V
     q_dim: int  # attention heads x head_dim (H_q)
     kv_dim: int  # key-value heads x head_dim (H_kv)
     tied: bool  # the LM head is the input embedding
+    # the parameters one token runs through, what FLOPs count (an MoE: its top_k routed experts
+    # per sparse layer, not all of them); None: all (a dense model)
+    active_params: int | None = None
+    top_k: int = 0  # experts per token (num_experts_per_tok); 0: a dense model
+
+    @property
+    def active(self) -> int:
+        """Parameters per token (active_params, else params)."""
+        return self.params if self.active_params is None else self.active_params
 
     @classmethod
     def from_config(cls, cfg) -> "Shape":
-        """From a transformers config (Qwen3, Qwen2, Llama); parameters counted from the sizes."""
+        """From a transformers config (Qwen3, Qwen2, Llama; Qwen3-MoE: sparse_layers hold
+        num_experts SwiGLU experts of moe_intermediate_size and a router of num_experts x H, the
+        other layers a dense MLP); parameters counted from the sizes. An MoE's `intermediate` is
+        the widest per-token MLP of its layers (top_k x moe_intermediate_size on a sparse one)."""
         H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
         head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         q = cfg.num_attention_heads * head_dim
         kv = cfg.num_key_value_heads * head_dim
-        qk_norm = 2 * head_dim if cfg.model_type == "qwen3" else 0
-        layer = H * q + 2 * H * kv + q * H + qk_norm + 3 * H * I + 2 * H
+        qk_norm = 2 * head_dim if cfg.model_type in ("qwen3", "qwen3_moe") else 0
+        attn = H * q + 2 * H * kv + q * H + qk_norm + 2 * H  # and the two RMSNorms
         tied = bool(cfg.tie_word_embeddings)
-        params = V * H * (1 if tied else 2) + L * layer + H
-        return cls(params, H, I, L, V, q, kv, tied)
+        outside = V * H * (1 if tied else 2) + H  # embedding, head, final norm
+        sparse = len(sparse_layers(cfg))
+        if not sparse:
+            return cls(outside + L * (attn + 3 * H * I), H, I, L, V, q, kv, tied)
+        E, k, I_e = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        dense = (L - sparse) * (attn + 3 * H * I)
+        params = outside + dense + sparse * (attn + E * 3 * H * I_e + E * H)
+        active = outside + dense + sparse * (attn + k * 3 * H * I_e + E * H)
+        width = max(k * I_e, I if sparse < L else 0)
+        return cls(params, H, width, L, V, q, kv, tied, active, k)
 
 
 def trainer_bytes(
@@ -97,6 +142,9 @@ def trainer_bytes(
     H = shape.hidden
     V = shape.vocab
     per_token_layer = 2 * (6 * H + 5 * shape.q_dim + 5 * shape.kv_dim + 4 * shape.intermediate)
+    # an MoE layer also keeps each token's top_k gathered copies of its input and weighted outputs
+    # (transformers' experts forward): 2 top_k H more
+    per_token_layer += 2 * 2 * shape.top_k * H
     embeddings = 1 if shape.tied else 2  # (V, H) matrices: the input embedding, an untied head
     root_params = V * H * embeddings + H  # embedding, head, final norm: the root FSDP unit
     layer_params = (shape.params - root_params) // shape.layers
@@ -293,6 +341,7 @@ class Plan:
     fix: str | None = None  # the command to run instead
     remote: int = 0  # of the dp engines, those on other nodes (vLLM's headless DP engines)
     remote_nodes: list[int] = field(default_factory=list)  # engines on each other node
+    needs: str | None = None  # where no placement on this node fits: what would (_needs)
 
 
 @dataclass
@@ -324,6 +373,8 @@ def plan(shape: Shape, *, argv: list[str] = (), **request) -> Plan:
     out = _gpu_plan(shape, req)
     if out.errors and req.world == req.local_world:
         out.fix = _suggestion(shape, req, list(argv))
+        if out.fix is None:
+            out.needs = _needs(shape, req)
     return out
 
 
@@ -565,6 +616,52 @@ def _suggestion(shape, req, argv) -> str | None:
     return None
 
 
+def _needs(shape, req) -> str:
+    """What a run that fits no placement on this node would need, in one line: the fewest trainer
+    ranks whose GPUs (this node's size) hold the trainer with activation checkpointing (FSDP2 shards
+    16 B per parameter; this trainer has no CPU offload), and the smallest tp whose GPUs hold one
+    engine's weights and one max_model_len sequence's KV cache; the training and the eval engine
+    each need that many GPUs of their own (two engines' weights on one GPU fit where one does only
+    for small models). Qwen3-30B-A3B on 8 x 80 GB: 8 trainer ranks and 2 x 1 engine GPUs."""
+    kw = dict(tokens=req.microbatch_tokens, checkpointing=True, fp32_head=req.fp32_head)
+    gib = _gib(req.gpu_bytes)
+    ranks = next(
+        (
+            w
+            for w in range(1, 4097)
+            if sum(trainer_bytes(shape, world=w, **kw).values()) <= req.gpu_bytes
+        ),
+        None,
+    )
+    trainer = (
+        f"the trainer needs >= {ranks} ranks of {gib} GiB"
+        if ranks
+        else f"the trainer fits no {gib} GiB GPU at any rank count"
+    )
+    trainer += (
+        f" ({shape.params / 1e9:.1f}B parameters, 16 B each sharded by FSDP2, no CPU offload)"
+    )
+    gen = dict(gpu_bytes=req.gpu_bytes, utilization=DEDICATED_UTILIZATION)
+    gen.update(dtype_bytes=req.dtype_bytes, fp32_head=req.fp32_head)
+    tp = next(
+        (
+            t
+            for t in (1, 2, 4, 8)
+            if generator_bytes(shape, tp=t, **gen)["kv"]
+            >= kv_bytes_per_token(shape, req.dtype_bytes, t) * req.max_model_len
+        ),
+        None,
+    )
+    if tp is None:
+        engines = f"no vLLM engine of up to 8 {gib} GiB GPUs holds the weights"
+    else:
+        engines = (
+            f"vLLM --tensor-parallel-size {tp}: the training and the eval engine {tp} GPU(s) each"
+        )
+    total = f"{ranks + 2 * tp} GPUs" if ranks and tp else "more GPUs"
+    return f"{trainer}; {engines}: {total} against {req.n_gpus} here: add a node"
+
+
 def _command(argv: list[str], nproc: int, extra: list[str]) -> str:
     """`torchrun --nproc_per_node nproc train.py ARGV EXTRA`: ARGV without the placement flags (and
     their values) and the flag that turns activation checkpointing off."""
@@ -583,7 +680,9 @@ def _command(argv: list[str], nproc: int, extra: list[str]) -> str:
 def check(p: Plan) -> None:
     """Raise SystemExit naming every problem and the command to run instead, if it cannot run."""
     if p.errors:
-        fix = f"run instead: {p.fix}" if p.fix else "no placement on this node fits (more nodes?)"
+        fix = f"run instead: {p.fix}" if p.fix else "no placement on this node fits"
+        if p.needs:
+            fix += f": {p.needs}"
         raise SystemExit("train.py: placement refused:\n  " + "\n  ".join(p.errors + [fix]))
 
 

