@@ -1484,7 +1484,8 @@ def test_kill_9_then_resume_continues_the_run_and_trains_the_prompts_in_flight(
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path):
+@pytest.mark.parametrize("replay", [[], ["--routing-replay"]], ids=["own-routing", "replay"])
+def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path, replay):
     """--model tiny-moe runs the whole loop (vLLM samples the MoE, FSDP2 trains it, weights reload
     into both engines, evals, the fit): every step logged, the evals of the trained versions still
     greedy-correct (R0's greedy pass rate is ~1; before engine._forget_moe_kernels the reloaded
@@ -1492,14 +1493,17 @@ def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path):
     a token runs through, not the 1,321,728 in all. By hand (tiny.TINY_CONFIG, TINY_MOE): tied
     embedding 320 x 128 + final norm 128 = 41,088; per layer attention 128 x 128 x 2 + 2 x 128 x
     64 + q/k norms 64 + 2 norms 256 = 49,472, router 8 x 128 = 1,024, experts 3 x 128 x 192 =
-    73,728 each: 8 in all, 2 per token."""
+    73,728 each: 8 in all, 2 per token. With --routing-replay the whole loop carries vLLM's routes
+    (the workers' capture, collate, micro-batches, the trainer's replay) and the importance ratio
+    of the first step (equal weights; bf16 sampler, fp32 trainer) stays within 10% of 1."""
     run_dir = str(tmp_path / "run")
-    out = run_train(["--model", "tiny-moe", "--steps", "3", "--run-dir", run_dir, *SMALL])
+    out = run_train(["--model", "tiny-moe", "--steps", "3", "--run-dir", run_dir, *SMALL, *replay])
     assert f"tiny-moe-{tiny.build_key(0, moe=True)}: 1.32M params" in out.stdout
     steps, evals = split_lines(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert sorted(m["step"] for m in evals) == [0, 2, 3]
     assert all(m["eval/greedy_pass_rate"] >= 0.5 for m in evals)
+    assert 0.9 < steps[0]["train/rho_min"] <= steps[0]["train/rho_max"] < 1.1
     assert 41_088 + 2 * (49_472 + 1_024 + 8 * 73_728) == 1_321_728
     active = 41_088 + 2 * (49_472 + 1_024 + 2 * 73_728)
     flops = 0
