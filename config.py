@@ -278,6 +278,11 @@ PRESETS = {
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
+        # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
+        # a step's 192 rollouts of 60-260 tokens (26k) pad to ~30k tokens in 4 micro-batches,
+        # against ~40k in the default budget's 2; train_step 2.7 s -> 1.6-1.9 s on 2 idle cores
+        # (issue 28; python bench/peer.py --trainer)
+        max_tokens_per_microbatch=8192,
     ),
     "smollm2-135m": dict(
         path=None,

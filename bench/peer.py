@@ -5,6 +5,8 @@ back to back on one machine, one table for both.
     python bench/peer.py                       # python train.py, then TRL on the same job (~40 min)
     python bench/peer.py --only trl --out runs/peer --reuse   # rerun one side, keep the other's row
     python bench/peer.py --steps 2 --eval-every 1 --eval-size 8   # smoke (a few minutes)
+    python bench/peer.py --trainer             # the trainers alone on one batch (~1 min, no TRL)
+    python bench/peer.py --trainer --batch B.pt   # ... on a saved batch (train.collate's dict)
 
 Ours is `python train.py` (the default run: the tiny preset, config.PRESETS["tiny"]), run as
 bench/recipes.py runs it. TRL's side is GRPOTrainer (TRL 1.16.0) on the same job: the model of
@@ -23,6 +25,13 @@ second on its batch, the eval's cost, the wall time to held-out pass rates 0.5, 
 final pass rate and the whole run's wall time; then where the two setups differ. The rows go to
 OUT/ours.json and OUT/trl.json (--reuse reads them instead of running that side again).
 
+--trainer times the two trainers alone, in one process, on one batch of the default job: ours
+(train.build and train.train_step on a 1-rank gloo group, as `python train.py` runs them: FSDP2,
+fp32 head, micro-batches) against a plain transformers forward / backward of all sequences at once
+with AdamW (plain_step: TRL's trainer in a few lines), same threads, no sampler beside them. The
+batch is P x G rollouts sampled with transformers' generate (sampled_batch) unless --batch gives a
+saved one. Printed: each side's median seconds and their ratio.
+
 Where the two setups differ (TRL 1.16.0 has no setting for them; DIFFERENCES, printed):
 1. TRL has no forced interruptions: one phase of think_budget max + answer_budget tokens (as
    train.py --no-interruptions, loo-lp), in training and in its evals.
@@ -36,7 +45,8 @@ Where the two setups differ (TRL 1.16.0 has no setting for them; DIFFERENCES, pr
    k = 2, in-flight weight updates), its eval in a second vLLM engine. So TRL's importance ratio is
    exactly 1 (num_iterations 1 without vLLM: its old log-probs are the trainer's own, detached) and
    the CISPO cap never binds; ours is against the sampler's log-probs, up to 2 versions behind.
-5. TRL forwards all P x G sequences in one micro-batch; ours in micro-batches of at most 128.
+5. TRL forwards all P x G sequences in one micro-batch, padded to the longest; ours in
+   micro-batches of at most 8,192 padded tokens (the tiny preset), each cut to its longest row.
 """
 
 import argparse
@@ -61,7 +71,7 @@ DIFFERENCES = (
     "rewards + 1e-4 (ours of the group-centred rewards)",
     "generation: TRL transformers' generate, synchronous, on-policy; ours vLLM CPU engine beside "
     "the trainer (PipelineRL k = 2), evals in a second vLLM engine with a greedy sample more",
-    "micro-batches: TRL all P x G sequences in one forward; ours at most 128 sequences each",
+    "micro-batches: TRL all P x G sequences in one forward; ours at most 8,192 padded tokens each",
     "IS ratio: TRL's is exactly 1 (on-policy, old log-probs = its own, detached), so the CISPO cap "
     "never binds; ours is against the sampler's log-probs, up to 2 versions behind",
 )
@@ -377,6 +387,154 @@ def run_trl(args, out_dir: str) -> dict:
     )
 
 
+def sampled_batch(args, model, tokenizer, prompts, thinking: bool) -> dict:
+    """One step's batch of the default job without vLLM: the first P prompts (tasks.data.Prompt)
+    x G samples from `model` with transformers' generate at args.temperature, up to think max +
+    answer budget tokens (no forced interruptions: TRL's setting), graded by
+    math_reward.math_rewards, in train.collate's layout (right-padded (S, T) input_ids,
+    attention_mask, mask on the completion, old_logp = the model's own fp32 log-probs; rewards,
+    group_ids (S,))."""
+    import torch
+
+    from generate import completion_text
+    from tasks import math_reward
+
+    P = config.groups_per_step(args)
+    G = args.group_size
+    chunk = prompts[:P]
+    width = max(len(p.prompt_ids) for p in chunk)
+    pad = tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    pads = [width - len(p.prompt_ids) for p in chunk]
+    ids = torch.tensor([[pad] * k + list(p.prompt_ids) for k, p in zip(pads, chunk, strict=True)])
+    attention = (torch.arange(width)[None, :] >= torch.tensor(pads)[:, None]).long()  # (P, W)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.think_budget[1] + args.answer_budget,
+            num_return_sequences=G,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+    rows, texts, golds = [], [], []
+    for s, seq in enumerate(out[:, width:].tolist()):
+        if eos in seq:  # keep the EOS, drop what pads after it
+            seq = seq[: seq.index(eos) + 1]
+        p = chunk[s // G]
+        rows.append((list(p.prompt_ids), seq))
+        texts.append(completion_text(tokenizer, seq))
+        golds.append(p.gold)
+    S = len(rows)
+    T = max(len(a) + len(b) for a, b in rows)
+    input_ids = torch.full((S, T), pad, dtype=torch.long)
+    attention_mask = torch.zeros(S, T, dtype=torch.long)
+    mask = torch.zeros(S, T, dtype=torch.bool)
+    for s, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        input_ids[s, :n] = torch.tensor(prompt + completion)
+        attention_mask[s, :n] = 1
+        mask[s, len(prompt) : n] = True
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / args.temperature, -1)  # (S, T - 1, V)
+    old_logp = torch.zeros(S, T)
+    old_logp[:, 1:] = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mask=mask,
+        old_logp=torch.where(mask, old_logp, 0.0),
+        rewards=torch.tensor(math_reward.math_rewards(texts, golds, thinking), dtype=torch.float64),
+        group_ids=torch.arange(S) // G,
+    )
+
+
+def plain_step(model, optimizer, batch: dict, args) -> None:
+    """TRL's trainer on our batch in a few lines: one transformers forward of every sequence at
+    once (padded to the longest), fp32 log-softmax of the full logits, CISPO averaged over the
+    batch's completion tokens (TRL's aggregation), backward, clipping, AdamW."""
+    import torch
+
+    import loss
+
+    ids, mask = batch["input_ids"], batch["mask"][:, 1:]  # (S, T), (S, T - 1)
+    adv = loss.group_advantages(batch["rewards"], batch["group_ids"], norm=args.adv_norm)  # (S,)
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1].float() / args.temperature, -1)  # (S, T - 1, V)
+    logp = lp.gather(-1, ids[:, 1:, None])[..., 0]  # (S, T - 1)
+    rho = torch.exp(logp - batch["old_logp"][:, 1:]).detach().clamp(max=args.cispo_cap)
+    term = rho * adv.float()[:, None] * logp * mask  # (S, T - 1)
+    (-term.sum() / mask.sum()).backward()  # all completion tokens of the batch
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def trainer_bench(args, batch_path: str | None, reps: int) -> None:
+    """--trainer: median seconds of one update on the same batch, ours (train.train_step on a
+    1-rank group, FSDP2 and all) against plain_step, `reps` each after one warm-up, alternating,
+    and their ratio; the batch from sampled_batch unless `batch_path` (train.collate's dict)."""
+    import torch
+
+    import train
+    from infra import launch, loading
+    from tasks import heldout, tiny
+
+    rank, world, device = launch.setup_distributed()
+    path = tiny.build(seed=args.seed)
+    args.path = path
+    if batch_path:
+        batch = torch.load(batch_path)
+    else:
+        tokenizer, thinking = loading.load_tokenizer(args, path, True)
+        prompts = loading.load_prompts(args, tokenizer, thinking)
+        train_prompts, _ = heldout.split_heldout(prompts, args.eval_size, seed=args.seed)
+        batch = sampled_batch(
+            args, loading.load_model(args, path), tokenizer, train_prompts, thinking
+        )
+    policy, optimizer = train.build(loading.load_model(args, path), args, device)
+    lengths = batch["attention_mask"].sum(1)
+    pack = train.varlen_attention(policy.lm)
+    plan = train.plan_microbatches(lengths.tolist(), world, args, pack)[rank]
+    padded = sum(len(rows) * int(lengths[rows].max()) for rows in plan)
+    print(
+        f"batch: {tuple(batch['input_ids'].shape)} (S, T), {int(lengths.sum())} tokens "
+        f"({int(lengths.min())}-{int(lengths.max())} a row), "
+        f"{int(batch['mask'].sum())} completion tokens; "
+        f"ours in {len(plan)} micro-batches of {padded} tokens padded, plain {lengths.numel()} rows"
+        f" x {batch['input_ids'].shape[1]}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
+    model = loading.load_model(args, path).train()
+    # train.build's AdamW, on plain tensors
+    plain_opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
+    )
+    steps = {
+        "ours": lambda: train.train_step(policy, optimizer, batch, args, device),
+        "plain": lambda: plain_step(model, plain_opt, batch, args),
+    }
+    times = {k: [] for k in steps}
+    for i in range(reps + 1):
+        for k, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            if i:  # the first is a warm-up
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():
+        each = ", ".join(f"{t:.3f}" for t in v)
+        print(f"{k:6s} {med[k]:.3f} s per update (median of {reps}: {each})")
+    print(f"ours / plain: {med['ours'] / med['plain']:.2f}")
+    torch.distributed.destroy_process_group()
+
+
 def fmt(x, spec: str = ".1f") -> str:
     """`x` formatted by `spec`; "-" for None."""
     return "-" if x is None else format(x, spec)
@@ -430,8 +588,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "peer"))
     p.add_argument("--reuse", action="store_true", help="read a side's finished row from --out")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for train.py")
+    p.add_argument("--trainer", action="store_true", help="time the two trainers on one batch")
+    p.add_argument("--batch", default=None, help="--trainer: a saved batch (train.collate's dict)")
+    p.add_argument("--reps", type=int, default=3, help="--trainer: timed updates per side")
     a = p.parse_args(argv)
     args = job_args(a.steps, a.eval_every, a.eval_size, a.seed)
+    if a.trainer:
+        trainer_bench(args, a.batch, a.reps)
+        return 0
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for side in ("ours", "trl"):
