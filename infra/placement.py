@@ -622,7 +622,8 @@ def _needs(shape, req) -> str:
     16 B per parameter; this trainer has no CPU offload), and the smallest tp whose GPUs hold one
     engine's weights and one max_model_len sequence's KV cache; the training and the eval engine
     each need that many GPUs of their own (two engines' weights on one GPU fit where one does only
-    for small models). Qwen3-30B-A3B on 8 x 80 GB: 8 trainer ranks and 2 x 1 engine GPUs."""
+    for small models). Qwen3-30B-A3B on 8 x 80 GB: 8 trainer ranks and 2 x 1 engine GPUs (on 8 x
+    H200 it fits: 5 trainer ranks)."""
     kw = dict(tokens=req.microbatch_tokens, checkpointing=True, fp32_head=req.fp32_head)
     gib = _gib(req.gpu_bytes)
     ranks = next(
@@ -659,7 +660,12 @@ def _needs(shape, req) -> str:
             f"vLLM --tensor-parallel-size {tp}: the training and the eval engine {tp} GPU(s) each"
         )
     total = f"{ranks + 2 * tp} GPUs" if ranks and tp else "more GPUs"
-    return f"{trainer}; {engines}: {total} against {req.n_gpus} here: add a node"
+    # the trainer ranks, the head engine and the eval engine share rank 0's node; other nodes take
+    # only generator engines (--remote-engines)
+    return (
+        f"{trainer}; {engines}: {total} on rank 0's node against {req.n_gpus}; other nodes add "
+        "only generator engines (--remote-engines): it needs GPUs with more memory"
+    )
 
 
 def _command(argv: list[str], nproc: int, extra: list[str]) -> str:

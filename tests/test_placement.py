@@ -494,7 +494,16 @@ def test_qwen3_30b_a3b_fits_no_8_x_80gb_node_and_the_plan_says_what_would():
         assert p.needs == (
             "the trainer needs >= 8 ranks of 79.2 GiB (30.5B parameters, 16 B each sharded by "
             "FSDP2, no CPU offload); vLLM --tensor-parallel-size 1: the training and the eval "
-            "engine 1 GPU(s) each: 10 GPUs against 8 here: add a node"
+            "engine 1 GPU(s) each: 10 GPUs on rank 0's node against 8; other nodes add "
+            "only generator engines (--remote-engines): it needs GPUs with more memory"
         )
         with pytest.raises(SystemExit, match="no placement on this node fits: the trainer needs"):
             pl.check(p)
+    # 8 x H200: 5 ranks hold 16 B x 30.5B / 5 = 97.7 GB + 18.6 GB each; vLLM at tp 1 on the rest
+    p = pl.plan(
+        shape, n_gpus=8, gpu_bytes=H200, world=5, local_world=5, argv=["--model", "x"], **PAPER
+    )
+    assert p.errors == [] and (p.dp, p.eval.dp) == (2, 1)
+    assert sum(pl.trainer_bytes(shape, **{**kw, "world": 5}).values()) == pytest.approx(
+        16 * 30_532_122_624 / 5 + fixed, abs=8
+    )
