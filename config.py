@@ -279,9 +279,8 @@ PRESETS = {
         eval_n=4,  # the noise a 15-minute run affords
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
-        # a step's 192 rollouts of 60-260 tokens (26k) pad to ~30k tokens in 4 micro-batches,
-        # against ~40k in the default budget's 2; train_step 2.7 s -> 1.6-1.9 s on 2 idle cores
-        # (issue 28; python bench/peer.py --trainer)
+        # 4 of them pad a step's rollouts less than the default budget's 2 (issue 28; measured:
+        # docs/history-presets.md)
         max_tokens_per_microbatch=8192,
     ),
     "smollm2-135m": dict(
@@ -648,7 +647,9 @@ def validate(args: Args, world: int) -> None:
     if args.gspo_eps_high < 0:
         raise BadInput(f"--gspo-eps-high {args.gspo_eps_high}: must be >= 0")
     if not 0 <= args.router_aux_loss_coef < math.inf:  # an MoE at all: loading.load_model
-        raise BadInput(f"--router-aux-loss-coef {args.router_aux_loss_coef}: must be >= 0")
+        raise BadInput(
+            f"--router-aux-loss-coef {args.router_aux_loss_coef}: must be finite and >= 0"
+        )
     # --- optimizer
     if args.lr <= 0:
         raise BadInput(f"--lr {args.lr}: must be > 0")

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from vllm import SamplingParams, TokensPrompt
 
-from infra.engine import Engine, SyncClient, versions_from_spans
+from infra.engine import Engine, SyncClient, every_engine_rpc, versions_from_spans
 from tasks import data
 from tasks.data import THINK_CLOSE
 
@@ -402,12 +402,13 @@ class Sampler:
     async def _take_routes(self, request_id: str, done) -> tuple:
         """A finished request's routes: vLLM's own where the engine returns them (CUDA, Model
         Runner V2, `enable_return_routed_experts`: (seq_len, layers, k) from position 0), else
-        what its workers recorded (`engine.WorkerExtension.take_routes`: every worker answers, the
-        one that served it with its routes; tensor-parallel workers route alike)."""
+        what its workers recorded (`engine.WorkerExtension.take_routes`: every worker of every
+        data-parallel engine answers, `engine.every_engine_rpc`, the one that served it with its
+        routes; tensor-parallel workers route alike)."""
         experts = getattr(done, "routed_experts", None)
         if experts is not None:
             return np.arange(len(experts)), np.asarray(experts)
-        taken = await self.engine.client.collective_rpc("take_routes", args=(request_id,))
+        taken = await every_engine_rpc(self.engine.client, "take_routes", (request_id,))
         positions = [np.frombuffer(p, dtype=np.int64) for p, _, _ in taken]
         experts = [np.frombuffer(e, dtype=np.int16).reshape(shape) for _, e, shape in taken]
         return np.concatenate(positions), np.concatenate(experts)

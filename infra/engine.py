@@ -298,6 +298,7 @@ class EngineLinks:
         import zmq
 
         self.lost: str | None = None
+        self.closing = False  # set by Engine.shutdown: disconnections from then on are expected
         sock = client.engine_core.resources.input_socket
         address = f"inproc://scalerl-engine-links-{id(self)}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
@@ -398,7 +399,7 @@ class Engine:
             return "the vLLM engine is shut down"
         if self.client.errored:
             return "the vLLM engine died"
-        if self.links is not None and self.links.lost:
+        if self.links is not None and self.links.lost and not self.links.closing:
             return f"{self.links.lost} (an engine process died, here or on another node)"
         exited = [
             f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None
@@ -414,6 +415,8 @@ class Engine:
         within about timeout + 2 s)."""
         deadline = time.monotonic() + timeout
         left = lambda: max(0.0, deadline - time.monotonic())
+        if self.links is not None:  # engines disconnecting now are shutting down, not dying
+            self.links.closing = True
         if self.client is not None:
             logger = logging.getLogger("vllm")
             level = logger.level
@@ -530,10 +533,22 @@ class SamplerThread:
         return True
 
 
+async def every_engine_rpc(client, method: str, args: tuple = ()) -> list:
+    """`collective_rpc` on every worker of every data-parallel engine, with every answer (a flat
+    list, engine by engine, worker by worker). vLLM 0.32's `AsyncLLM.collective_rpc` reaches every
+    engine too but returns engine 0's answers only (core_client.py: `call_utility_async` keeps
+    `call_utility_all_async(...)[0]`); the client's `call_utility_all_async` is a vLLM internal,
+    checked on vLLM `ROUTES_CHECKED_ON` and pinned by tests/test_nodes.py (two engines)."""
+    answers = await client.engine_core.call_utility_all_async(
+        "collective_rpc", method, None, args, None
+    )
+    return [a for engine in answers for a in engine]
+
+
 def capture_routes(model_runner, store: dict) -> tuple[int, int]:
     """Record, in a vLLM worker, the experts each MoE layer routes every computed token to (issue
     27, `--routing-replay`): vLLM internals, checked on vLLM `ROUTES_CHECKED_ON` (V1 model runner,
-    CPU and CUDA) and pinned by tests/test_routing.py. vLLM's own capture
+    eager: the CPU build) and pinned by tests/test_routing.py. vLLM's own capture
     (`enable_return_routed_experts`) needs Model Runner V2, which needs Triton, so the CPU build
     refuses it; this one hooks the same place: each MoE layer's router `set_capture_fn`
     (fused_moe/router/base_router.py calls it with the logical top-k ids, (n, k), before any
@@ -556,6 +571,8 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
         raise RuntimeError(
             "routing capture needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
         )
+    if not model_runner.model_config.enforce_eager:  # a replayed CUDA graph runs no Python hook
+        raise RuntimeError("routing capture needs an eager engine (on CUDA vLLM returns routes)")
     runners = [m for m in model_runner.get_model().modules() if isinstance(m, MoERunner)]
     runners = [m for m in runners if isinstance(m.router, BaseRouter)]
     if not runners:

@@ -122,10 +122,14 @@ def plan_placement(
     rank gets it, and on a placement that cannot fit or overlaps trainer GPUs unasked every rank
     exits with the command to run instead."""
     plan = [None]
+    cfg = AutoConfig.from_pretrained(path)
+    if torch.cuda.is_available():  # on every rank alike: a plan that cannot count is refused
+        placement.check_counted(cfg)
+    shape = placement.Shape.from_config(cfg)
     if dist.get_rank() == 0:
         cuda = torch.cuda.is_available()
         plan[0] = placement.plan(
-            placement.Shape.from_config(AutoConfig.from_pretrained(path)),
+            shape,
             n_gpus=torch.cuda.device_count() if cuda else 0,
             gpu_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0,
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),

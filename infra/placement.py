@@ -43,6 +43,8 @@ import math
 import shlex
 from dataclasses import dataclass, field, replace
 
+from config import BadInput
+
 GIB = 2**30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL buffers and allocator slack of one process (estimate)
 VLLM_RESERVE_BYTES = 4 * GIB  # vLLM's activations, CUDA graphs and sampler buffers (estimate)
@@ -63,12 +65,30 @@ KV_OVERCOMMIT = 3
 EVAL_SHARED_SEQS = 4
 
 
+# config fields of mixture-of-experts families sparse_layers does not count
+UNCOUNTED_MOE = ("num_local_experts", "n_routed_experts", "shared_expert_intermediate_size")
+
+
+def check_counted(cfg) -> None:
+    """Raise BadInput, one line, for a mixture of experts whose parameters `Shape.from_config`
+    cannot count (Mixtral's num_local_experts, DeepSeek's n_routed_experts, Qwen2-MoE's shared
+    expert): counted as dense, its GPU memory would be underestimated several times over. (On CPU
+    they train, their FLOPs per token counted as if dense.)"""
+    uncounted = [k for k in UNCOUNTED_MOE if getattr(cfg, k, None)]
+    if uncounted and cfg.model_type != "qwen3_moe":  # Qwen3-MoE aliases num_local_experts
+        raise BadInput(
+            f"--model: {cfg.model_type} is a mixture of experts whose parameters the memory plan "
+            f"cannot count ({uncounted[0]}); it counts Qwen3-MoE's"
+        )
+
+
 def sparse_layers(cfg) -> list[int]:
     """The decoder layers whose MLP is a mixture of experts in a Qwen3-MoE (or Qwen2-MoE) config:
     layer i unless it is in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (transformers
     5.19 Qwen3MoeDecoderLayer; the others keep a dense MLP of intermediate_size). [] for a dense
-    config (no num_experts)."""
-    if not getattr(cfg, "num_experts", 0):
+    config, and for any other family (Mixtral's experts have no moe_intermediate_size:
+    check_counted)."""
+    if cfg.model_type not in ("qwen3_moe", "qwen2_moe") or not getattr(cfg, "num_experts", 0):
         return []
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     dense = set(getattr(cfg, "mlp_only_layers", None) or ())
@@ -660,12 +680,7 @@ def _needs(shape, req) -> str:
             f"vLLM --tensor-parallel-size {tp}: the training and the eval engine {tp} GPU(s) each"
         )
     total = f"{ranks + 2 * tp} GPUs" if ranks and tp else "more GPUs"
-    # the trainer ranks, the head engine and the eval engine share rank 0's node; other nodes take
-    # only generator engines (--remote-engines)
-    return (
-        f"{trainer}; {engines}: {total} on rank 0's node against {req.n_gpus}; other nodes add "
-        "only generator engines (--remote-engines): it needs GPUs with more memory"
-    )
+    return f"{trainer}; {engines}: {total} against {req.n_gpus} on this node"
 
 
 def _command(argv: list[str], nproc: int, extra: list[str]) -> str:

@@ -211,7 +211,7 @@ def test_bad_R0_raises():
         fit.fit_sigmoid(C40, eq1(C40, 0.6, 2, 3000), 1.0)
 
 
-def test_c_min_drops_points_and_zero_compute():
+def test_fit_from_drops_points_and_zero_compute():
     C = np.r_[0.0, C40]
     R = np.r_[R0, eq1(C40, 0.6, 2.0, 3000)]
     f = fit.fit_sigmoid(C, R, R0, fit_from=C40[5])

@@ -243,6 +243,9 @@ def test_head_and_headless_engine_sample_and_take_weights(tmp_path):
         # the sampler's own rollouts: routed to both engines (identity: the DP rank, little-endian)
         served = {int.from_bytes(e, "little") for e in chosen}
         assert served == {0, 1}
+        # every engine's answers (take_routes' need): vLLM's collective_rpc keeps engine 0's only
+        assert len(run(client.collective_rpc("ignore_sigint"))) == 1
+        assert len(run(engine.every_engine_rpc(client, "ignore_sigint"))) == 2
         # liveness: the other node's engine dies; the head says so in one line within seconds
         assert s.engine.dead() is None
         for p in psutil.Process(remote.pid).children(recursive=True):

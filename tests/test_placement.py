@@ -27,6 +27,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from config import BadInput
 from infra import placement as pl
 
 GIB = 2**30
@@ -453,6 +454,18 @@ def test_moe_parameters_counted_by_hand_and_by_transformers():
     )
 
 
+def test_an_moe_the_plan_cannot_count_is_refused_on_gpus():
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    for cfg, field in ((MixtralConfig(), "num_local_experts"), (Qwen2MoeConfig(), "shared_expert")):
+        with pytest.raises(BadInput, match=f"--model: {cfg.model_type} .*cannot count .*{field}"):
+            pl.check_counted(cfg)
+    pl.check_counted(Qwen3MoeConfig(**QWEN3_30B_A3B))  # counted: no error
+    pl.check_counted(CONFIGS["qwen3-8b"])
+    # on CPU Mixtral trains, its FLOPs per token counted as if dense (its experts alias num_experts)
+    assert pl.sparse_layers(MixtralConfig()) == [] and pl.inactive_params(MixtralConfig()) == 0
+
+
 def test_qwen3_30b_a3b_fits_no_8_x_80gb_node_and_the_plan_says_what_would():
     """The preset (PAPER: micro-batch 16,512 tokens, activation checkpointing) on 8 x H100: its
     trainer shards 16 B x 30,532,122,624 parameters = 488.5 GB; beside that each rank holds the
@@ -494,8 +507,7 @@ def test_qwen3_30b_a3b_fits_no_8_x_80gb_node_and_the_plan_says_what_would():
         assert p.needs == (
             "the trainer needs >= 8 ranks of 79.2 GiB (30.5B parameters, 16 B each sharded by "
             "FSDP2, no CPU offload); vLLM --tensor-parallel-size 1: the training and the eval "
-            "engine 1 GPU(s) each: 10 GPUs on rank 0's node against 8; other nodes add "
-            "only generator engines (--remote-engines): it needs GPUs with more memory"
+            "engine 1 GPU(s) each: 10 GPUs against 8 on this node"
         )
         with pytest.raises(SystemExit, match="no placement on this node fits: the trainer needs"):
             pl.check(p)

@@ -243,7 +243,7 @@ RULES = [
     (["--cispo-cap", "0.99"], "--cispo-cap 0.99: must be >= 1 (paper: 4, 5 or 8)"),
     (["--eps-low", "-0.1"], "--eps-low -0.1: must be >= 0"),
     (["--eps-high", "-0.1"], "--eps-high -0.1: must be >= 0"),
-    (["--router-aux-loss-coef", "-0.01"], "--router-aux-loss-coef -0.01: must be >= 0"),
+    (["--router-aux-loss-coef", "-0.01"], "--router-aux-loss-coef -0.01: must be finite and >= 0"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: must be >= 0"),
     (["--weight-decay", "-1"], "--weight-decay -1.0: must be >= 0"),
     (["--adam-eps", "0"], "--adam-eps 0.0: must be > 0"),
