@@ -28,6 +28,18 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo process group in this process: train_step's reductions and RunLog's waits
+    are collectives."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 class EngineHandle:
     """A `generate.Sampler` running on its own asyncio loop thread (an `infra.engine.SamplerThread`,
     the way pipeline.py and infra/evals.py run theirs), lent to the tests: they pass `sampler` and

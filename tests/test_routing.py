@@ -204,15 +204,6 @@ def test_captured_routes_cover_both_phases_and_replay_makes_the_trainer_route_al
         assert np.array_equal(experts[covered], np.sort(c.routes, -1)[covered])
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A 1-rank gloo process group in this process: train_step's reductions are collectives."""
-    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 def test_a_train_step_replays_under_fsdp2_and_activation_checkpointing_alike(one_rank):
     """The replay hooks stay through backward: activation checkpointing's recompute routes as the
     forward did (else the recomputed expert batches would not match), so the step's router

@@ -907,15 +907,6 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
 # ---- a checkpoint never waits for an eval; --resume keeps one that finished after it (issue 25)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A 1-rank gloo process group in this process: RunLog's waits are collectives."""
-    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 class HeldEvals:
     """An eval engine whose evals of `versions` run for `hold` s from its creation (the step-0
     eval of 1,000 prompts x 16 on GPUs: hours); records what is submitted."""
