@@ -44,6 +44,7 @@ Where it departs from the paper, and why:
 
 import asyncio
 import itertools
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ class Completion:
     prompt_ids: list[int]
     # everything after the prompt: thinking, the forced phrase if any, the answer
     completion_ids: list[int]
-    # (T,) float32 behaviour log-prob (the loss's old_logp); 0 where mask is False
+    # (T,) float32 behaviour log-prob (the loss's old_logp); 0 where mask is False, NaN where
+    # sampled by a Sampler that records none (logprobs=False: an eval's)
     logp: torch.Tensor
     mask: torch.Tensor  # (T,) bool: True = sampled by the policy, False = a forced phrase token
     # (T,) int64 policy version that sampled each token (phrase: the version at insertion)
@@ -177,6 +179,9 @@ class Sampler:
       interruptions: False = no forced phrase: a thinking rollout gets one phase of think_budget[1]
         + answer_budget tokens (the paper's `loo-lp` ablation, which relies on a length penalty
         instead).
+      logprobs: False for a sampler whose log-probs nobody reads (the eval engine's: it grades
+        text): vLLM then neither returns nor serialises them (the CPU eval engine's front end spent
+        about half its time decoding them) and sampled tokens get logp NaN.
       routing_replay: each Completion carries `routes`, the experts vLLM routed it to (departure
         7; an MoE model only: the engine's workers record them, `engine.capture_routes`).
       engine: an engine already started (anything with `infra.engine.Engine`'s `client`,
@@ -201,6 +206,7 @@ class Sampler:
         top_k: int = -1,
         seed: int = 0,
         interruptions: bool = True,
+        logprobs: bool = True,
         routing_replay: bool = False,
         engine=None,
         **engine_kwargs,
@@ -232,6 +238,7 @@ class Sampler:
         self.answer_budget = answer_budget
         self.temperature = temperature
         self.interruptions = interruptions
+        self.logprobs = logprobs
         self.routing_replay = routing_replay
         self.version = 0  # the label sampled tokens carry: a pipeline's trainer version
         self.next_version: int | None = None  # the next NCCL update's label (Pipeline.publish_by)
@@ -371,7 +378,7 @@ class Sampler:
             temperature=temperature,
             max_tokens=max_tokens,
             stop_token_ids=stop_ids,
-            logprobs=0,  # the sampled token's only
+            logprobs=0 if self.logprobs else None,  # the sampled token's only
             flat_logprobs=True,
             detokenize=False,
         )
@@ -387,12 +394,14 @@ class Sampler:
         if done.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
         ids = list(done.token_ids)
-        # FlatLogprobs: one entry per position, the sampled token
-        if done.logprobs.token_ids != ids:
-            raise RuntimeError(
-                f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}"
-            )
-        logp = list(done.logprobs.logprobs)
+        logp = [math.nan] * len(ids)
+        if self.logprobs:
+            # FlatLogprobs: one entry per position, the sampled token
+            if done.logprobs.token_ids != ids:
+                raise RuntimeError(
+                    f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}"
+                )
+            logp = list(done.logprobs.logprobs)
         versions = versions_from_spans(done.weight_versions, len(ids))
         routes = None
         if self.routing_replay:

@@ -67,7 +67,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 import filters
 import loss
 from config import Args, BadInput
-from infra import checkpoint, fit_report, launch, loading
+from infra import checkpoint, fit_report, launch, loading, placement
 from infra.launch import rank0_call
 from tasks import math_reward
 
@@ -615,6 +615,10 @@ def main(args: Args) -> None:
     from infra import generator, records
 
     stop = {"requested": False}  # set by the first Ctrl-C (launch.on_stop_signal)
+    if device.type == "cpu":  # from here vLLM's engines share the cores (the model is built)
+        torch.set_num_threads(
+            placement.cpu_trainer_threads(os.environ, len(os.sched_getaffinity(0)))
+        )
     engines, push_weights, start_dir = generator.start(
         args, inputs, policy, pool, prompts, eval_prompts, run_dir, meta, world, device, step, stop
     )

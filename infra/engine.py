@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import logging
 import multiprocessing
 import os
@@ -45,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from config import BadInput
 from infra.loading import check_cpu_memory
@@ -56,6 +58,9 @@ SHUTDOWN_TIMEOUT = 20.0
 NCCL_CHECKED_ON = "0.32"
 # vLLM minor version whose MoE routers and V1 model runner `capture_routes` reads
 ROUTES_CHECKED_ON = "0.32"
+# vLLM minor version whose shared-memory queue readers (shm_broadcast.SpinCondition)
+# `quiet_queue_waits` changes
+SPIN_CHECKED_ON = "0.32"
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
@@ -174,6 +179,8 @@ def engine_args(
         # on a GPU vLLM's stats (KV cache use, preemptions) are what tunes max_num_seqs
         disable_log_stats=not cuda,
         enable_return_routed_experts=routed_experts and cuda,
+        # CPU: vLLM's multiprocess executor (the one it uses there) without its busy waits
+        distributed_executor_backend=None if cuda else QuietExecutor,
         **(nodes.vllm_kwargs() if nodes else {}),
     )
 
@@ -601,6 +608,40 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
     return len(runners), runners[0].router.top_k
 
 
+def quiet_queue_waits() -> int:
+    """Make this process's readers of vLLM's shared-memory queues wait on their socket instead of
+    spinning; returns how many it changed. vLLM 0.32's readers (shm_broadcast.SpinCondition) call
+    sched_yield in a loop for 1 s after each read, so an engine's core spins while its worker
+    computes a step and the worker spins while the core schedules the next: two processes always
+    runnable for one process's work. With two cores that takes the cycles the trainer and the
+    eval engine need (the tiny model, sampling alone: 48% of the core's samples in sched_yield,
+    19% of the worker's). Waiting on the socket costs a wake-up per step instead. vLLM internals,
+    checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned) and pinned by
+    tests/test_generate.py; for CPU engines only (`QuietExecutor`)."""
+    if vllm.__version__.split(".")[:2] != SPIN_CHECKED_ON.split("."):
+        return 0
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    # type(), not isinstance: isinstance raises on a dead weak proxy among the objects
+    spinning = [
+        o for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader and o.busy_loop_s
+    ]
+    for reader in spinning:
+        reader.busy_loop_s = 0
+    return len(spinning)
+
+
+class QuietExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor (engine argument distributed_executor_backend; the one vLLM
+    uses on CPU) whose engine core and workers wait for each other without spinning
+    (`quiet_queue_waits` in both)."""
+
+    def _init_executor(self) -> None:
+        super()._init_executor()
+        quiet_queue_waits()
+        self.collective_rpc("quiet_queue_waits")
+
+
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" warning (model_loader/reload/layerwise.py,
     vLLM 0.32; logged for a layer that got no weights in a reload, whose tensors it then keeps) for
@@ -636,6 +677,10 @@ class WorkerExtension:
         and the trainer stops it (Engine.shutdown). RPCs run in the worker's main thread, as
         signal.signal requires; pinned by tests/test_generate.py."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def quiet_queue_waits(self) -> int:
+        """`quiet_queue_waits` in this worker (`QuietExecutor` calls it at start)."""
+        return quiet_queue_waits()
 
     def capture_routes(self) -> tuple[int, int]:
         """Start recording each computed token's routed experts (`capture_routes`, once per

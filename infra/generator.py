@@ -193,6 +193,7 @@ def sampler_kwargs(args: Args, plan, dtype: torch.dtype, backend: str, seed: int
         gpu_memory_utilization=plan.eval.utilization,
         max_num_seqs=plan.eval.max_num_seqs,
         weight_transfer="disk",  # snapshots: an eval loads one version, once
+        logprobs=False,  # evals grade text
     )
     if not torch.cuda.is_available():  # one device: the eval engine gets what the trainer leaves
         eval_kwargs.update(nice=EVAL_NICE, env={"VLLM_CPU_OMP_THREADS_BIND": generate.cpu_bind(1)})

@@ -375,6 +375,9 @@ def test_engine_args_rl_settings():
     assert cpu.scheduling_policy == gpu.scheduling_policy == "priority"  # answers first (issue 25)
     # vLLM's stats (KV use, preemptions) on GPU, to tune max_num_seqs by; off on CPU
     assert cpu.disable_log_stats and not gpu.disable_log_stats
+    # CPU: vLLM's multiprocess executor without its busy waits; GPU: vLLM's own choice
+    assert cpu.distributed_executor_backend is engine.QuietExecutor
+    assert gpu.distributed_executor_backend is None
 
 
 def test_engine_args_without_the_fp32_head_give_a_valid_vllm_config(tmp_path):
@@ -586,6 +589,45 @@ def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
         with open(f"/proc/{w.pid}/status") as f:
             ignored = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
         assert ignored >> (signal.SIGINT - 1) & 1, f"{w.name()} does not ignore SIGINT"
+
+
+@pytest.mark.vllm
+def test_engine_processes_wait_without_spinning(vllm_engine):
+    """Between requests the worker waits for the engine core's next step on a socket: vLLM 0.32's
+    queue readers spin (sched_yield) for 1 s after each read, which would cost the worker ~0.8
+    CPU-s over the 0.8 s after a request, on cores the trainer needs (engine.quiet_queue_waits);
+    the engine core and the worker both hold only socket-waiting readers."""
+    s, run = vllm_engine.sampler, vllm_engine.run
+    procs = [psutil.Process(p.pid) for p in s.engine.procs] + list(s.engine.workers)
+    run(s.generate(PROMPT, n=2, think_budget=(8, 8), answer_budget=4))
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(0.8)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
+    assert max(used) < 0.2, [(p.name(), u) for p, u in zip(procs, used, strict=True)]
+    assert run(s.engine.client.collective_rpc("quiet_queue_waits")) == [0]  # none left spinning
+
+
+@pytest.mark.vllm
+def test_a_sampler_without_logprobs_asks_vllm_for_none(vllm_engine, monkeypatch):
+    """Sampler(logprobs=False), the eval engine's: vLLM is asked for no log-probs and returns none,
+    sampled tokens get logp NaN, the phrase 0; the rollout's tokens are as with them."""
+    s, run = vllm_engine.sampler, vllm_engine.run
+    asked = []
+    generate_ = s.engine.client.generate
+
+    def spy(prompt, params, *args, **kwargs):
+        asked.append(params.logprobs)
+        return generate_(prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(s.engine.client, "generate", spy)
+    monkeypatch.setattr(s, "logprobs", False)
+    (c,) = run(s.generate(PROMPT, n=1, think_budget=(6, 6), answer_budget=4, temperature=0.0))
+    assert asked and all(n is None for n in asked)
+    assert torch.isnan(c.logp[c.mask]).all() and (c.logp[~c.mask] == 0).all()
+    monkeypatch.setattr(s, "logprobs", True)
+    (d,) = run(s.generate(PROMPT, n=1, think_budget=(6, 6), answer_budget=4, temperature=0.0))
+    assert d.completion_ids == c.completion_ids and torch.isfinite(d.logp).all()
+    assert asked[-1] == 0
 
 
 @pytest.mark.vllm

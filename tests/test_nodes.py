@@ -273,6 +273,7 @@ def test_rank0_prints_the_readme_command_for_the_other_node():
     train_kwargs, eval_kwargs = generator.sampler_kwargs(args, p, torch.bfloat16, "nccl", seed=0)
     assert train_kwargs["nodes"] == engine.DPNodes("10.0.0.1", 29550, local=4)
     assert eval_kwargs["nodes"] is None  # the eval engine: rank 0's node only
+    assert eval_kwargs["logprobs"] is False and "logprobs" not in train_kwargs  # evals grade text
     (command,) = generator.headless_commands(args, p, args.path, train_kwargs)
     assert command == (
         "python -m infra.engine --headless --model Qwen/Qwen3-8B --seed 0 --dtype bfloat16 "

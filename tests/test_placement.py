@@ -519,3 +519,15 @@ def test_qwen3_30b_a3b_fits_no_8_x_80gb_node_and_the_plan_says_what_would():
     assert sum(pl.trainer_bytes(shape, **{**kw, "world": 5}).values()) == pytest.approx(
         16 * 30_532_122_624 / 5 + fixed, abs=8
     )
+
+
+def test_cpu_trainer_threads_leave_the_engines_half_the_cores():
+    """On CPU a trainer rank takes half the cores it may use (the engines run on the rest), at
+    least 1; an OMP_NUM_THREADS (the user's, or torchrun's 1 for several ranks) wins, unless it is
+    not a positive integer."""
+    assert pl.cpu_trainer_threads({}, 2) == 1
+    assert pl.cpu_trainer_threads({}, 1) == 1
+    assert pl.cpu_trainer_threads({}, 9) == 4
+    assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "3"}, 2) == 3
+    assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "0"}, 8) == 4
+    assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "x"}, 8) == 4
