@@ -180,8 +180,8 @@ class Sampler:
         + answer_budget tokens (the paper's `loo-lp` ablation, which relies on a length penalty
         instead).
       logprobs: False for a sampler whose log-probs nobody reads (the eval engine's: it grades
-        text): vLLM then neither returns nor serialises them (the CPU eval engine's front end spent
-        about half its time decoding them) and sampled tokens get logp NaN.
+        text): vLLM then neither computes, sends nor decodes them (work in the trainer's process,
+        docs/history-presets.md) and sampled tokens get logp NaN.
       routing_replay: each Completion carries `routes`, the experts vLLM routed it to (departure
         7; an MoE model only: the engine's workers record them, `engine.capture_routes`).
       engine: an engine already started (anything with `infra.engine.Engine`'s `client`,

@@ -379,7 +379,8 @@ class SimTrainer:
         try:
             make = generate.Sampler.create
             tsampler = thread.run(make(f"{a.model}-sim", **self.sampler_kwargs(self.tsim)))
-            esampler = thread.run(make(f"{a.model}-sim-eval", **self.sampler_kwargs(self.esim)))
+            ekw = dict(self.sampler_kwargs(self.esim), logprobs=False)  # as infra/generator.py's
+            esampler = thread.run(make(f"{a.model}-sim-eval", **ekw))
             pipe = pipeline.Pipeline(
                 tsampler,
                 self.prompts,

@@ -180,7 +180,7 @@ def engine_args(
         disable_log_stats=not cuda,
         enable_return_routed_experts=routed_experts and cuda,
         # CPU: vLLM's multiprocess executor (the one it uses there) without its busy waits
-        distributed_executor_backend=None if cuda else QuietExecutor,
+        distributed_executor_backend=None if cuda or not spin_checked() else QuietExecutor,
         **(nodes.vllm_kwargs() if nodes else {}),
     )
 
@@ -608,17 +608,22 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
     return len(runners), runners[0].router.top_k
 
 
+def spin_checked(version: str = vllm.__version__) -> bool:
+    """Whether vLLM `version` is the one whose queue readers `quiet_queue_waits` changes."""
+    return version.split(".")[:2] == SPIN_CHECKED_ON.split(".")
+
+
 def quiet_queue_waits() -> int:
     """Make this process's readers of vLLM's shared-memory queues wait on their socket instead of
     spinning; returns how many it changed. vLLM 0.32's readers (shm_broadcast.SpinCondition) call
     sched_yield in a loop for 1 s after each read, so an engine's core spins while its worker
     computes a step and the worker spins while the core schedules the next: two processes always
-    runnable for one process's work. With two cores that takes the cycles the trainer and the
-    eval engine need (the tiny model, sampling alone: 48% of the core's samples in sched_yield,
-    19% of the worker's). Waiting on the socket costs a wake-up per step instead. vLLM internals,
-    checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned) and pinned by
-    tests/test_generate.py; for CPU engines only (`QuietExecutor`)."""
-    if vllm.__version__.split(".")[:2] != SPIN_CHECKED_ON.split("."):
+    runnable for one process's work, on cores the trainer and the eval engine need (measured in
+    docs/history-presets.md, issue 28). Waiting on the socket costs a wake-up per step instead.
+    vLLM internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned; and
+    `engine_args` then keeps vLLM's own executor) and pinned by tests/test_generate.py; for CPU
+    engines only (`QuietExecutor`)."""
+    if not spin_checked():
         return 0
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 

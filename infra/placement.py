@@ -414,12 +414,12 @@ def _cpu_plan(shape, req):
 def cpu_trainer_threads(env, cpus: int) -> int:
     """Torch threads for a trainer rank on the CPU, where vLLM's engines share the cores: half
     the `cpus` this process may use, at least 1; an OMP_NUM_THREADS in `env` (the user's, or the
-    1 torchrun sets for several ranks) wins. Two OpenMP threads beside the engines on 2 cores
-    spin at their barriers while the engines hold a core: the default run's step took 9.4 s with
-    2 and 6.7 s with 1 (docs/history-presets.md). Pure: the caller passes os.environ and the
-    CPU count."""
-    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
-        return int(env["OMP_NUM_THREADS"])
+    1 torchrun sets for several ranks; of a list, its first number) wins. More threads than that
+    spin at their OpenMP barriers while the engines hold the cores (measured in
+    docs/history-presets.md, issue 28). Pure: the caller passes os.environ and the CPU count."""
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return int(first)
     return max(1, cpus // 2)
 
 

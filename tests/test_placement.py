@@ -18,7 +18,8 @@ every trainer rank count, whatever G (3 ranks on a 6-GPU node with G = 16); (8) 
 parameters: Qwen3-30B-A3B's 30.5B (3.35B per token) by hand and against transformers on the meta
 device, dense layers among sparse ones; the qwen3-30b-a3b preset fits no 8 x 80 GB node and the
 refusal names what would (8 trainer ranks, 2 engine GPUs: a second node). Expected values are
-worked out by hand in each test from the formulas in placement.py's docstring.
+worked out by hand in each test from the formulas in placement.py's docstring; (9) on CPU a
+trainer rank takes half the cores as torch threads, OMP_NUM_THREADS winning.
 """
 
 import math
@@ -531,3 +532,4 @@ def test_cpu_trainer_threads_leave_the_engines_half_the_cores():
     assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "3"}, 2) == 3
     assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "0"}, 8) == 4
     assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "x"}, 8) == 4
+    assert pl.cpu_trainer_threads({"OMP_NUM_THREADS": "3,2"}, 8) == 3  # OpenMP's nested list
