@@ -378,6 +378,8 @@ def test_engine_args_rl_settings():
     assert cpu.disable_log_stats and not gpu.disable_log_stats
     # CPU: vLLM's multiprocess executor without its busy waits; GPU: vLLM's own choice
     assert cpu.distributed_executor_backend is engine.QuietExecutor
+    # ... on the vLLM minor version its internals were read on only
+    assert engine.spin_checked("0.32.1") and not engine.spin_checked("0.33.0")
     assert gpu.distributed_executor_backend is None
 
 
