@@ -394,7 +394,6 @@ class Sampler:
         if done.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended request {final.request_id} with {done.finish_reason!r}")
         ids = list(done.token_ids)
-        logp = [math.nan] * len(ids)
         if self.logprobs:
             # FlatLogprobs: one entry per position, the sampled token
             if done.logprobs.token_ids != ids:
@@ -402,6 +401,8 @@ class Sampler:
                     f"vLLM returned log-probs of other tokens than it sampled in {final.request_id}"
                 )
             logp = list(done.logprobs.logprobs)
+        else:
+            logp = [math.nan] * len(ids)
         versions = versions_from_spans(done.weight_versions, len(ids))
         routes = None
         if self.routing_replay:

@@ -111,7 +111,7 @@ def weight_transfer_backend(
     without CUDA, on a shared GPU or on another vLLM version."""
     if requested not in ("auto", "disk", "nccl"):
         raise ValueError(f"weight_transfer must be 'auto', 'disk' or 'nccl', got {requested!r}")
-    nccl_ok = cuda and dedicated and vllm_version.split(".")[:2] == NCCL_CHECKED_ON.split(".")
+    nccl_ok = cuda and dedicated and checked_on(NCCL_CHECKED_ON, vllm_version)
     if requested == "nccl" and not nccl_ok:
         raise ValueError(
             f"weight_transfer='nccl' needs CUDA, generator GPUs no trainer rank uses and vLLM "
@@ -154,6 +154,7 @@ def engine_args(
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
     head = {"head_dtype": "float32"} if fp32_head else {}  # §3.2, A.19; vLLM 0.32 refuses None
+    quiet = not cuda and checked_on(SPIN_CHECKED_ON)  # QuietExecutor: CPU, a checked vLLM
     return AsyncEngineArgs(
         model=model,
         seed=seed,
@@ -180,7 +181,7 @@ def engine_args(
         disable_log_stats=not cuda,
         enable_return_routed_experts=routed_experts and cuda,
         # CPU: vLLM's multiprocess executor (the one it uses there) without its busy waits
-        distributed_executor_backend=None if cuda or not spin_checked() else QuietExecutor,
+        distributed_executor_backend=QuietExecutor if quiet else None,
         **(nodes.vllm_kwargs() if nodes else {}),
     )
 
@@ -569,7 +570,7 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    if vllm.__version__.split(".")[:2] != ROUTES_CHECKED_ON.split("."):
+    if not checked_on(ROUTES_CHECKED_ON):
         raise RuntimeError(
             f"routing capture reads vLLM {ROUTES_CHECKED_ON}'s model runner; this is vLLM "
             f"{vllm.__version__}"
@@ -608,9 +609,10 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
     return len(runners), runners[0].router.top_k
 
 
-def spin_checked(version: str = vllm.__version__) -> bool:
-    """Whether vLLM `version` is the one whose queue readers `quiet_queue_waits` changes."""
-    return version.split(".")[:2] == SPIN_CHECKED_ON.split(".")
+def checked_on(minor: str, version: str = vllm.__version__) -> bool:
+    """Whether vLLM `version` (e.g. "0.32.1") is of the minor version `minor` (e.g. "0.32") that
+    code reading vLLM's internals was checked on (NCCL_, ROUTES_ and SPIN_CHECKED_ON)."""
+    return version.split(".")[:2] == minor.split(".")
 
 
 def quiet_queue_waits() -> int:
@@ -623,7 +625,7 @@ def quiet_queue_waits() -> int:
     vLLM internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned; and
     `engine_args` then keeps vLLM's own executor) and pinned by tests/test_generate.py; for CPU
     engines only (`QuietExecutor`)."""
-    if not spin_checked():
+    if not checked_on(SPIN_CHECKED_ON):
         return 0
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 

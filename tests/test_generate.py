@@ -379,7 +379,8 @@ def test_engine_args_rl_settings():
     # CPU: vLLM's multiprocess executor without its busy waits; GPU: vLLM's own choice
     assert cpu.distributed_executor_backend is engine.QuietExecutor
     # ... on the vLLM minor version its internals were read on only
-    assert engine.spin_checked("0.32.1") and not engine.spin_checked("0.33.0")
+    assert engine.checked_on(engine.SPIN_CHECKED_ON, "0.32.1")
+    assert not engine.checked_on(engine.SPIN_CHECKED_ON, "0.33.0")
     assert gpu.distributed_executor_backend is None
 
 
