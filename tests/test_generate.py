@@ -653,7 +653,10 @@ def test_greedy_evaluation_is_deterministic(vllm_engine):
 @pytest.mark.slow
 def test_inflight_update_switches_version_inside_completions(vllm_engine, tmp_path):
     s, run = vllm_engine.sampler, vllm_engine.run
-    v0 = run(s.update_weights(vllm_engine.model_dir))  # random weights: 'x' has probability ~1/320
+    # start weights that write letters, uniformly, and never EOS (a rollout that stopped before
+    # the switch could not show it): 'x' has probability 1/26
+    letters, _ = crafted(vllm_engine.model_dir, str(tmp_path / "a-z"), [LETTERS], [[0, 1], [1, 2]])
+    v0 = run(s.update_weights(letters))
     x_dir, expected_logp = crafted(
         vllm_engine.model_dir, str(tmp_path / "x"), [[ord("x")]], [[0, 1], [1, 2]]
     )
