@@ -147,19 +147,20 @@ def first_reach(points: list[tuple[float, float, float]], threshold: float) -> t
 def ours_row(run_dir: str, wall_s: float | None) -> dict:
     """The table's numbers for a finished `python train.py` run, from its metrics.jsonl. Clock:
     gpu_hours x 3600, the seconds of the step loop (one device on CPU: infra/records.py); an eval's
-    weights are those of its step, its result is known at the step it was logged at
-    (eval/logged_at_step). The trainer's tokens/s: train/tokens / time/update_s per step (the
-    update; it shares the cores with the sampler)."""
+    weights are those of its step, its result is known time/eval_queued_s + time/eval_s after
+    them (submitted at its step; the evals still queued when the loop ends finish after it, so
+    their known time passes the loop's end). The trainer's tokens/s: train/tokens /
+    time/update_s per step (the update; it shares the cores with the sampler)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     steps = [m for m in lines if "time/step_s" in m]
     evals = sorted((m for m in lines if "eval/pass_rate" in m), key=lambda m: m["step"])
-    clock = {m["step"]: m["gpu_hours"] * 3600 for m in steps}
-    end = max(clock.values(), default=0.0)
-    points = [
-        (m["gpu_hours"] * 3600, clock.get(m["eval/logged_at_step"], end), m["eval/pass_rate"])
-        for m in evals
-    ]
+    end = max((m["gpu_hours"] * 3600 for m in steps), default=0.0)
+    points = []  # (weights_s, known_s, pass rate)
+    for m in evals:
+        weights_s = m["gpu_hours"] * 3600
+        known_s = weights_s + m["time/eval_queued_s"] + m["time/eval_s"]
+        points.append((weights_s, known_s, m["eval/pass_rate"]))
     update = [m["train/tokens"] / m["time/update_s"] for m in steps if m["time/update_s"] > 0]
     return dict(
         side="ours",

@@ -1,6 +1,7 @@
 """Benchmark: does the default run show the paper's method on every seed (issue 12; §5 fits half)?
 
     python bench/seeds.py            # python train.py --seed S for S = 0, 1, 2, one at a time
+    python bench/seeds.py --seeds 0 1 2 7 11 13   # any seeds
     python bench/seeds.py --reuse    # refit finished runs, train only the missing ones
     python bench/seeds.py --seeds 0 --steps 4 --eval-every 2 --eval-size 8   # smoke (extra flags go
                                                    # to every train.py run)
@@ -13,6 +14,8 @@ protocol). Printed per seed, with the bar each must clear:
   pairs-bootstrap 95% interval for A at most 0.10 wide;
 - the half-run fit predicts the later evals within 0.03 on average (MAE) and its A lies within
   0.05 of the whole run's;
+- no late fall: the last eval at most 0.05 below the run's best (issue 29: the curve saturates
+  and stays);
 - wall seconds of the train.py process (the tiny model's build included when it was not cached).
 One figure (--figure, default RUNS_DIR/seeds.png): every seed's evals, its half-run fit (solid up to
 half the compute, dashed beyond) and its whole-run A (dotted). Exits 1 when a seed misses a bar.
@@ -31,7 +34,8 @@ import fit  # noqa: E402
 from bench import recipes  # noqa: E402
 from infra.fit_report import load_metrics, whole_run_fit  # noqa: E402
 
-BARS = dict(rise=0.30, A_width=0.10, tail_mae=0.03, dA=fit.A_CLEAR)  # issue 12's acceptance
+# issue 12's acceptance, and issue 29's fall from the best eval to the last
+BARS = dict(rise=0.30, A_width=0.10, tail_mae=0.03, dA=fit.A_CLEAR, fall=0.05)
 
 
 def train(run_dir: str, seed: int, extra: list[str], timeout: float) -> float:
@@ -44,7 +48,8 @@ def train(run_dir: str, seed: int, extra: list[str], timeout: float) -> float:
 def check(run_dir: str, n_boot: int) -> dict:
     """The acceptance numbers of one finished run (see the module docstring): R0, final, rise, the
     whole-run fit (A, its profile and bootstrap intervals, converged and why not), the half-run
-    fit's A, its tail MAE and |A_half - A|, and `ok` per bar. Raises ValueError (fit_sigmoid's) when
+    fit's A, its tail MAE and |A_half - A|, the fall from the best eval to the last, and `ok` per
+    bar. Raises ValueError (fit_sigmoid's) when
     the run has fewer than 5 evals."""
     C, R, _ = load_metrics(os.path.join(run_dir, "metrics.jsonl"))
     R0, C, R = float(R[0]), C[1:], R[1:]
@@ -68,12 +73,14 @@ def check(run_dir: str, n_boot: int) -> dict:
         tail_mae=mae,
         n_tail=n_tail,
         dA=abs(half.A - whole["A"]),
+        fall=float(R.max() - R[-1]),  # the evals after R0
     )
     width = boot[1] - boot[0]
     out["ok"] = dict(
         rise=out["rise"] >= BARS["rise"],
         A=whole["converged"] and width <= BARS["A_width"],  # NaN width (no bootstrap) fails
         half=mae <= BARS["tail_mae"] and out["dA"] <= BARS["dA"],
+        fall=out["fall"] <= BARS["fall"],
     )
     return out | dict(curve=(C, R), half_fit=half)
 
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
             f"{'converged' if r['converged'] else 'NOT converged: ' + r['message']} "
             f"[{'ok' if r['ok']['A'] else 'MISS'}] | half-run A {r['A_half']:.3f} "
             f"(|dA| {r['dA']:.3f}) tail MAE {r['tail_mae']:.3f} on {r['n_tail']} evals "
-            f"[{'ok' if r['ok']['half'] else 'MISS'}]"
+            f"[{'ok' if r['ok']['half'] else 'MISS'}] | fall best -> last {r['fall']:.3f} "
+            f"[{'ok' if r['ok']['fall'] else 'MISS'}]"
             + (f" | wall {wall[seed]:.0f} s" if seed in wall else "")
         )
     if runs:

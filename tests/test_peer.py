@@ -35,11 +35,11 @@ def test_ours_row_reads_clock_steps_and_evals(tmp_path):
          "train/tokens": 80, "time/update_s": 2.0},
         # the step-0 eval, logged at step 1
         {"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.25, "eval/logged_at_step": 1,
-         "time/eval_s": 3.0},
+         "time/eval_s": 3.0, "time/eval_queued_s": 0.5},
         {"step": 2, "gpu_hours": 10 / 3600, "time/step_s": 6.0, "gen/tokens": 200,
          "train/tokens": 120, "time/update_s": 4.0},
         {"step": 2, "gpu_hours": 10 / 3600, "eval/pass_rate": 0.75, "eval/logged_at_step": 2,
-         "time/eval_s": 5.0},
+         "time/eval_s": 5.0, "time/eval_queued_s": 1.0},
     ]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     row = peer.ours_row(str(tmp_path), 99.0)
@@ -48,13 +48,14 @@ def test_ours_row_reads_clock_steps_and_evals(tmp_path):
     assert (row["gen_tokens"], row["loop_s"]) == (300, 10.0)
     assert row["trainer_tok_s"] == 35.0  # median of 80 / 2 = 40 and 120 / 4 = 30
     assert row["eval_s"] == [3.0, 5.0]
-    # step 0's weights at 0 s, its result known at step 1 (4 s); step 2's at 10 s, known at 10 s
+    # step 0's weights at 0 s, known 0.5 + 3 s later; step 2's at the loop's end (10 s), known
+    # 1 + 5 s after it (an eval drained after the last step)
     assert [(round(w, 6), round(k, 6), r) for w, k, r in row["points"]] == [
-        (0.0, 4.0, 0.25),
-        (10.0, 10.0, 0.75),
+        (0.0, 3.5, 0.25),
+        (10.0, 16.0, 0.75),
     ]
     assert row["final"] == 0.75
     table = {line[:32].strip(): line[32:].strip() for line in peer.table([row]).splitlines()}
-    assert table["s to pass 0.5 (weights / known)"] == "10 / 10"
+    assert table["s to pass 0.5 (weights / known)"] == "10 / 16"
     assert table["s to pass 0.8 (weights / known)"] == "not reached"
     assert table["sampled tok/s of step time"] == "30"  # 300 tokens / 10 s
