@@ -146,7 +146,8 @@ def first_reach(points: list[tuple[float, float, float]], threshold: float) -> t
 
 def ours_row(run_dir: str, wall_s: float | None) -> dict:
     """The table's numbers for a finished `python train.py` run, from its metrics.jsonl. Clock:
-    gpu_hours x 3600, the seconds of the step loop (one device on CPU: infra/records.py); an eval's
+    gpu_hours x 3600, the seconds of the step loop (one device on CPU: infra/records.py; with more
+    devices gpu_hours are device-hours and the known times below mean nothing); an eval's
     weights are those of its step, its result is known time/eval_queued_s + time/eval_s after
     them (submitted at its step; the evals still queued when the loop ends finish after it, so
     their known time passes the loop's end). The trainer's tokens/s: train/tokens /
@@ -623,7 +624,7 @@ def main(argv=None) -> int:
     print(
         "clock: ours gpu_hours x 3600 (the step loop's seconds, 1 device on CPU); TRL seconds since"
     )
-    print("its train began, evals included. weights: the step evaluated; known: its result logged.")
+    print("its train began, evals included. weights: the step evaluated; known: its eval scored.")
     print("Where the setups differ:")
     for d in DIFFERENCES:
         print(f"- {d}")

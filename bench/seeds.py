@@ -48,9 +48,8 @@ def train(run_dir: str, seed: int, extra: list[str], timeout: float) -> float:
 def check(run_dir: str, n_boot: int) -> dict:
     """The acceptance numbers of one finished run (see the module docstring): R0, final, rise, the
     whole-run fit (A, its profile and bootstrap intervals, converged and why not), the half-run
-    fit's A, its tail MAE and |A_half - A|, the fall from the best eval to the last, and `ok` per
-    bar. Raises ValueError (fit_sigmoid's) when
-    the run has fewer than 5 evals."""
+    fit's A, its tail MAE and |A_half - A|, the fall from the best eval to the last; `ok` per bar.
+    Raises ValueError (fit_sigmoid's) when the run has fewer than 5 evals."""
     C, R, _ = load_metrics(os.path.join(run_dir, "metrics.jsonl"))
     R0, C, R = float(R[0]), C[1:], R[1:]
     whole = whole_run_fit(C, R, R0, n_boot)  # the fit train.py's summary prints

@@ -33,7 +33,7 @@ def test_ours_row_reads_clock_steps_and_evals(tmp_path):
         # two steps of 4 s and 6 s (gpu_hours = the loop's seconds / 3600 on one CPU device)
         {"step": 1, "gpu_hours": 4 / 3600, "time/step_s": 4.0, "gen/tokens": 100,
          "train/tokens": 80, "time/update_s": 2.0},
-        # the step-0 eval, logged at step 1
+        # the step-0 eval
         {"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.25, "eval/logged_at_step": 1,
          "time/eval_s": 3.0, "time/eval_queued_s": 0.5},
         {"step": 2, "gpu_hours": 10 / 3600, "time/step_s": 6.0, "gen/tokens": 200,

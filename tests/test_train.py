@@ -1488,7 +1488,7 @@ def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path, replay):
     (the workers' capture, collate, micro-batches, the trainer's replay) and the importance ratio
     of the first step (equal weights; bf16 sampler, fp32 trainer) stays within 10% of 1.
     --no-zero-var-filter: the model starts near pass rate 1, so all 4 groups of a step can be all
-    correct; with the filter that step trains nothing and logs no ratio (CI failed so once)."""
+    correct; with the filter that step would train nothing and log no ratio."""
     run_dir = str(tmp_path / "run")
     flags = ["--model", "tiny-moe", "--steps", "3", "--no-zero-var-filter", *SMALL, *replay]
     out = run_train([*flags, "--run-dir", run_dir])
