@@ -61,6 +61,9 @@ ROUTES_CHECKED_ON = "0.32"
 # vLLM minor version whose shared-memory queue readers (shm_broadcast.SpinCondition)
 # `quiet_queue_waits` changes
 SPIN_CHECKED_ON = "0.32"
+# how long a quiet queue reader sleeps before it looks at the shared memory again without a
+# notification (vLLM's SHM_READER_RECHECK_INTERVAL_MS, 5,000: see quiet_queue_waits)
+QUEUE_RECHECK_MS = 2
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
@@ -622,16 +625,24 @@ def quiet_queue_waits() -> int:
     computes a step and the worker spins while the core schedules the next: two processes always
     runnable for one process's work, on cores the trainer and the eval engine need (measured in
     docs/history-presets.md, issue 28). Waiting on the socket costs a wake-up per step instead.
-    vLLM internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned; and
-    `engine_args` then keeps vLLM's own executor) and pinned by tests/test_generate.py; for CPU
-    engines only (`QuietExecutor`)."""
+    The socket's notifications can be lost (the writer's PUB socket drops one at its high-water
+    mark of 1, and stays there once the reader's credit stops coming back): a reader then finds
+    the message at its next recheck of the shared memory, every 5 s in vLLM, which spinning
+    readers never reach; a run hung so, its eval engine taking a step per ~5 s. So quiet readers
+    recheck every QUEUE_RECHECK_MS (this process's module constant: ~1% of a core per idle
+    reader). vLLM internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0
+    returned; and `engine_args` then keeps vLLM's own executor) and pinned by
+    tests/test_generate.py; for CPU engines only (`QuietExecutor`)."""
     if not checked_on(SPIN_CHECKED_ON):
         return 0
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.device_communicators import shm_broadcast
 
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = QUEUE_RECHECK_MS  # read at every wait
     # type(), not isinstance: isinstance raises on a dead weak proxy among the objects
     spinning = [
-        o for o in gc.get_objects() if type(o) is SpinCondition and o.is_reader and o.busy_loop_s
+        o
+        for o in gc.get_objects()
+        if type(o) is shm_broadcast.SpinCondition and o.is_reader and o.busy_loop_s
     ]
     for reader in spinning:
         reader.busy_loop_s = 0

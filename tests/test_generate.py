@@ -612,6 +612,36 @@ def test_engine_processes_wait_without_spinning(vllm_engine):
     assert run(s.engine.client.collective_rpc("quiet_queue_waits")) == [0]  # none left spinning
 
 
+def test_a_quiet_queue_reader_finds_a_message_whose_notification_was_lost(monkeypatch):
+    """A lost notification costs a quiet reader QUEUE_RECHECK_MS, not vLLM's 5 s recheck: vLLM's
+    shared-memory queue (one writer, one reader, here in one process), its reader quieted
+    (engine.quiet_queue_waits) and waiting on its socket when the writer enqueues without notifying
+    it; the reader has the message within 0.5 s (5.0 s with vLLM's recheck: a run whose
+    notifications stopped took a step per ~5 s)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    # restored after the test: quiet_queue_waits sets this process's recheck interval
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
+    writer = shm_broadcast.MessageQueue(1, 1)
+    reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join()
+    assert engine.quiet_queue_waits() == 1  # the reader's SpinCondition
+    writer.enqueue("notified")
+    assert reader.dequeue() == "notified"
+    monkeypatch.setattr(writer._spin_condition, "notify", lambda: None)  # every one lost
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(reader.dequeue()))
+    waiting.start()
+    time.sleep(0.3)  # the reader is waiting on its socket by now
+    t0 = time.monotonic()
+    writer.enqueue("not notified")
+    waiting.join(10)
+    assert got == ["not notified"] and time.monotonic() - t0 < 0.5
+
+
 @pytest.mark.vllm
 def test_a_sampler_without_logprobs_asks_vllm_for_none(vllm_engine, monkeypatch):
     """Sampler(logprobs=False), the eval engine's: vLLM is asked for no log-probs and returns none,
