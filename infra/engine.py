@@ -625,14 +625,14 @@ def quiet_queue_waits() -> int:
     computes a step and the worker spins while the core schedules the next: two processes always
     runnable for one process's work, on cores the trainer and the eval engine need (measured in
     docs/history-presets.md, issue 28). Waiting on the socket costs a wake-up per step instead.
-    The socket's notifications can be lost (the writer's PUB socket drops one at its high-water
-    mark of 1, and stays there once the reader's credit stops coming back): a reader then finds
-    the message at its next recheck of the shared memory, every 5 s in vLLM, which spinning
-    readers never reach; a run hung so, its eval engine taking a step per ~5 s. So quiet readers
-    recheck every QUEUE_RECHECK_MS (this process's module constant: ~1% of a core per idle
-    reader). vLLM internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0
-    returned; and `engine_args` then keeps vLLM's own executor) and pinned by
-    tests/test_generate.py; for CPU engines only (`QuietExecutor`)."""
+    The socket's notifications can be lost (the writer's PUB socket, high-water mark 1, drops
+    what it cannot queue; in one run they stopped coming altogether): a reader then finds the
+    message at its next recheck of the shared memory, every 5 s in vLLM, which spinning readers
+    never reach; that run's eval engine took a step per ~5 s. So quiet readers recheck every
+    QUEUE_RECHECK_MS (this process's module constant: ~1% of a core per idle reader). vLLM
+    internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned; and
+    `engine_args` then keeps vLLM's own executor) and pinned by tests/test_generate.py; for CPU
+    engines only (`QuietExecutor`)."""
     if not checked_on(SPIN_CHECKED_ON):
         return 0
     from vllm.distributed.device_communicators import shm_broadcast
