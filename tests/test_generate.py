@@ -15,7 +15,9 @@ borrowed one is left alone) and the testable parts of the GPU (NCCL) path, the s
 version labels among them; (6) the engine serves by priority and takes the phases' priorities
 (answer first) and engine rank as the Sampler passes them (issue 25; their effect on the queue:
 tests/test_evals_queue.py); (7) the engine's worker waits for the next step without spinning
-(engine.QuietExecutor), and a sampler without log-probs (the eval engine's) asks vLLM for none.
+(engine.QuietExecutor), a quiet queue reader finds a message whose notification was lost within
+engine.QUEUE_RECHECK_MS, not vLLM's 5 s, and a sampler without log-probs (the eval engine's)
+asks vLLM for none.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -622,9 +624,9 @@ def test_a_quiet_queue_reader_finds_a_message_whose_notification_was_lost(monkey
 
     # restored after the test: quiet_queue_waits sets this process's recheck interval
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
-    writer = shm_broadcast.MessageQueue(1, 1)
+    writer = shm_broadcast.MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=2)  # 2 MiB
     reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)
-    ready = threading.Thread(target=reader.wait_until_ready)
+    ready = threading.Thread(target=reader.wait_until_ready, daemon=True)
     ready.start()
     writer.wait_until_ready()
     ready.join()
@@ -633,7 +635,7 @@ def test_a_quiet_queue_reader_finds_a_message_whose_notification_was_lost(monkey
     assert reader.dequeue() == "notified"
     monkeypatch.setattr(writer._spin_condition, "notify", lambda: None)  # every one lost
     got = []
-    waiting = threading.Thread(target=lambda: got.append(reader.dequeue()))
+    waiting = threading.Thread(target=lambda: got.append(reader.dequeue()), daemon=True)
     waiting.start()
     time.sleep(0.3)  # the reader is waiting on its socket by now
     t0 = time.monotonic()
