@@ -78,6 +78,9 @@ class Args:
     end"""
     eval_size: int = 96
     """held-out prompts of each task (paper: 1,000), removed from training"""
+    train_size: int = 0
+    """training prompts of each task: its first this many after the held-out split (0: all). A pool
+    the run goes through several times lets No-Positive-Resampling retire the solved prompts"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
     fit_from: float | None = 0.0
@@ -277,6 +280,10 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
+        # 600 of arith's 1,800 training prompts: epochs of 50 steps, so No-Positive-Resampling
+        # retires the solved ones; with all 1,800 (one epoch a run) late batches were 40% zero-
+        # variance and one eval could fall 0.05 (issue 29: docs/history-presets.md)
+        train_size=600,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
         # 4 of them pad a step's rollouts less than the default budget's 2 (issue 28; measured:
@@ -559,6 +566,8 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(f"--eval-every {args.eval_every}: must be >= 1")
     if args.eval_size < 1:
         raise BadInput(f"--eval-size {args.eval_size}: must be >= 1")
+    if args.train_size < 0:
+        raise BadInput(f"--train-size {args.train_size}: must be >= 0 (0: every training prompt)")
     if args.eval_n < 1:
         raise BadInput(f"--eval-n {args.eval_n}: must be >= 1")
     fit_from = args.fit_from

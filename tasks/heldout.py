@@ -11,6 +11,7 @@ Where this departs from the paper, and why:
    fingerprint of the questions, so a resumed run never trains on its held-out prompts.
 """
 
+import collections
 import json
 import os
 import random
@@ -22,12 +23,19 @@ SPLIT_FILE = "heldout.json"
 
 
 def split_heldout(
-    prompts: list[Prompt], eval_size: int, *, seed: int, run_dir: str | None = None
+    prompts: list[Prompt],
+    eval_size: int,
+    *,
+    seed: int,
+    run_dir: str | None = None,
+    train_size: int = 0,
 ) -> tuple[list[Prompt], list[Prompt]]:
     """(train, heldout): `eval_size` prompts of each task chosen at random by `seed` and removed
     from training (paper A.5: 1,000), so every task's curve is measured on as many prompts as a run
     of that task alone would be. One task: `random.Random(seed).sample` of the positions; several:
     the same generator samples each task's positions in turn, tasks in order of appearance.
+    `train_size` > 0 keeps each task's first `train_size` training prompts (in order, all when it
+    has fewer); the held-out split does not depend on it.
 
     With `run_dir`, the split is saved there (json: indices and a fingerprint of the
     questions) and, when that file already exists (a resumed run), restored from it instead of
@@ -52,6 +60,13 @@ def split_heldout(
             save_split(path, saved)
     # a prompt's index is its position (data.load_prompts numbers them so)
     train = [p for p in prompts if p.index not in held]
+    if train_size:  # each task's first train_size
+        seen, kept = collections.Counter(), []
+        for p in train:
+            seen[p.task] += 1
+            if seen[p.task] <= train_size:
+                kept.append(p)
+        train = kept
     heldout = [p for p in prompts if p.index in held]
     return train, heldout
 

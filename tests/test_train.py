@@ -189,6 +189,7 @@ def test_recipes_set_the_papers_flags_and_explicit_flags_win():
         (["--npr-threshold", "0"], r"--npr-threshold 0.0: must be in \(0, 1\]"),
         (["--temperature", "0"], "--temperature 0.0: must be > 0"),
         (["--answer-budget", "0"], "--answer-budget 0: must be >= 1"),
+        (["--train-size", "-1"], "--train-size -1: must be >= 0"),
         (["--gspo-eps-low", "-1e-3"], "--gspo-eps-low -0.001: must be >= 0"),
         (["--gspo-eps-high", "-1e-3"], "--gspo-eps-high -0.001: must be >= 0"),
         (["--task-weights", "a"], "--task-weights a: must be TASK=WEIGHT, a number >= 0"),
