@@ -280,10 +280,10 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        # 600 of arith's 1,800 training prompts: epochs of 50 steps, so No-Positive-Resampling
-        # retires the solved ones; with all 1,800 (one epoch a run) late batches were 40% zero-
-        # variance and one eval could fall 0.05 (issue 29: docs/history-presets.md)
-        train_size=600,
+        # 800 of arith's 1,800 training prompts: a run goes through them ~2.3 times, so
+        # No-Positive-Resampling retires the solved ones; with all 1,800 (one pass a run) late
+        # batches were 40% zero-variance and evals fell by 0.05 (issue 29: docs/history-presets.md)
+        train_size=800,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
         # 4 of them pad a step's rollouts less than the default budget's 2 (issue 28; measured:
