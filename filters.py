@@ -207,7 +207,8 @@ class PromptPool:
             if not self.num_active:
                 raise RuntimeError(
                     f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
-                    f"{float(self.threshold)}); nothing left to sample"
+                    f"{float(self.threshold)}); nothing left to sample: more prompts (--data, "
+                    "--train-size), a higher --npr-threshold or --prompt-sampling uniform"
                 )
             while self._again:
                 idx = self._again.popleft()
