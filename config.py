@@ -20,6 +20,8 @@ Where it departs from the paper, and why:
 1. Scale: the default `--model tiny` (12 prompts x 16, 156 steps, evals of 200 x 4 every
    6 steps, 5 warmup steps, k = 2) fits 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
    held-out evals every 100 steps, 100 warmup steps and k = 8 (A.3, §3.1) are the qwen3 presets'.
+   Its 800 training prompts pass ~2.3 times in a run, as the paper's runs pass Polaris-53K several
+   times (an epoch ~1k steps, A.5), so No-Positive-Resampling retires the solved ones.
 2. The paper gives the learning rate of its 8B model only (5e-7, A.3); the smaller qwen3 presets
    take 1e-6, the tiny model 2e-4.
 3. The CISPO cap is 4: the paper tried 4, 5 and 8 without a difference and does not say which
@@ -79,8 +81,8 @@ class Args:
     eval_size: int = 96
     """held-out prompts of each task (paper: 1,000), removed from training"""
     train_size: int = 0
-    """training prompts of each task: its first this many after the held-out split (0: all). A pool
-    the run goes through several times lets No-Positive-Resampling retire the solved prompts"""
+    """training prompts of each task, drawn at random by --seed after the held-out split (0: all);
+    a pool a run passes several times is where No-Positive-Resampling (§3.2) acts"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
     fit_from: float | None = 0.0
@@ -280,9 +282,9 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        # 800 of arith's 1,800 training prompts: a run goes through them ~2.3 times, so
-        # No-Positive-Resampling retires the solved ones; with all 1,800 (one pass a run) late
-        # batches were 40% zero-variance and evals fell by 0.05 (issue 29: docs/history-presets.md)
+        # 800 of arith's 1,800 training prompts: a run passes them ~2.3 times and no longer draws
+        # the ones No-Positive-Resampling retired; with all 1,800 (one pass a run) late batches
+        # were 40% zero-variance and evals fell 0.03-0.06 (issue 29: docs/history-presets.md)
         train_size=800,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:

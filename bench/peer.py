@@ -10,9 +10,10 @@ back to back on one machine, one table for both.
 
 Ours is `python train.py` (the default run: the tiny preset, config.PRESETS["tiny"]), run as
 bench/recipes.py runs it. TRL's side is GRPOTrainer (TRL 1.16.0) on the same job: the model of
-tasks.tiny.build(seed) loaded as train.py loads it (loading.load_model), the same arith prompts and
-held-out split (loading.load_prompts, heldout.split_heldout), our reward (math_reward.math_rewards
-against each prompt's gold), P x G = 12 x 16 rollouts a step, the same LR and warmup
+tasks.tiny.build(seed) loaded as train.py loads it (loading.load_model), the same arith prompts
+(the preset's --train-size of them) and held-out split (loading.load_prompts,
+heldout.split_heldout), our reward (math_reward.math_rewards against each prompt's gold), P x G =
+12 x 16 rollouts a step, the same LR and warmup
 (train.set_lr), the same AdamW (train.build's call) and clipping, temperature 1, CISPO with the same
 cap, no KL, one update per batch, 156 steps. Its held-out curve is our eval procedure (eval_size
 held-out prompts x eval_n samples at the training temperature, pass rate = mean reward), run
@@ -288,7 +289,9 @@ def run_trl(args, out_dir: str) -> dict:
     args.path = path
     tokenizer, thinking = loading.load_tokenizer(args, path, True)
     prompts = loading.load_prompts(args, tokenizer, thinking)
-    train_prompts, eval_prompts = heldout.split_heldout(prompts, args.eval_size, seed=args.seed)
+    train_prompts, eval_prompts = heldout.split_heldout(
+        prompts, args.eval_size, seed=args.seed, train_size=args.train_size
+    )
     model = loading.load_model(args, path)
     # TRL tokenizes a plain-text prompt itself: the text must give back our prompt ids exactly
     texts = [tokenizer.decode(p.prompt_ids, skip_special_tokens=False) for p in train_prompts]
@@ -495,7 +498,9 @@ def trainer_bench(args, batch_path: str | None, reps: int) -> None:
     else:
         tokenizer, thinking = loading.load_tokenizer(args, path, True)
         prompts = loading.load_prompts(args, tokenizer, thinking)
-        train_prompts, _ = heldout.split_heldout(prompts, args.eval_size, seed=args.seed)
+        train_prompts, _ = heldout.split_heldout(
+            prompts, args.eval_size, seed=args.seed, train_size=args.train_size
+        )
         batch = sampled_batch(
             args, loading.load_model(args, path), tokenizer, train_prompts, thinking
         )

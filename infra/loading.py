@@ -427,7 +427,7 @@ def load_model(args: Args, path: str):
 def heldout_and_pool(args: Args, prompts: list, run_dir: str, master: bool):
     """(train_prompts, eval_prompts, pool): rank 0 draws (or, resuming, restores) the held-out split
     of eval_size prompts per task (heldout.split_heldout, heldout.json); the others then read it.
-    --train-size keeps each task's first train_size training prompts.
+    --train-size keeps train_size training prompts of each task, drawn by --seed.
     The pool (filters.prompt_pool): one PromptPool per task, tasks drawn by --task-weights, prompts
     by No-Positive-Resampling (§3.2) or in uniform epochs."""
     for turn in (master, not master):

@@ -11,7 +11,6 @@ Where this departs from the paper, and why:
    fingerprint of the questions, so a resumed run never trains on its held-out prompts.
 """
 
-import collections
 import json
 import os
 import random
@@ -34,8 +33,10 @@ def split_heldout(
     from training (paper A.5: 1,000), so every task's curve is measured on as many prompts as a run
     of that task alone would be. One task: `random.Random(seed).sample` of the positions; several:
     the same generator samples each task's positions in turn, tasks in order of appearance.
-    `train_size` > 0 keeps each task's first `train_size` training prompts (in order, all when it
-    has fewer); the held-out split does not depend on it.
+    `train_size` > 0 keeps `train_size` training prompts of each task (all when it has fewer), in
+    their order: one generator, `random.Random(f"train-size {seed}")`, samples each task's training
+    indices in turn, tasks in order of appearance. The held-out split does not depend on it, and a
+    resumed run (same seed) gets the same prompts.
 
     With `run_dir`, the split is saved there (json: indices and a fingerprint of the
     questions) and, when that file already exists (a resumed run), restored from it instead of
@@ -60,13 +61,13 @@ def split_heldout(
             save_split(path, saved)
     # a prompt's index is its position (data.load_prompts numbers them so)
     train = [p for p in prompts if p.index not in held]
-    if train_size:  # each task's first train_size
-        seen, kept = collections.Counter(), []
+    if train_size:  # a random subset: a dataset's first rows may not be a fair sample
+        rng = random.Random(f"train-size {seed}")
+        by_task = {task: [] for task in tasks}  # tasks in order of appearance, as held out
         for p in train:
-            seen[p.task] += 1
-            if seen[p.task] <= train_size:
-                kept.append(p)
-        train = kept
+            by_task[p.task].append(p.index)
+        kept = {i for ids in by_task.values() for i in rng.sample(ids, min(train_size, len(ids)))}
+        train = [p for p in train if p.index in kept]
     heldout = [p for p in prompts if p.index in held]
     return train, heldout
 

@@ -517,19 +517,25 @@ def test_heldout_split_per_task_by_the_documented_draws_and_restored(tmp_path, t
     assert heldout.split_heldout(prompts, 9, seed=0, run_dir=str(tmp_path))[1] == held  # restored
 
 
-def test_train_size_keeps_each_tasks_first_training_prompts_and_not_the_split(tok):
+def test_heldout_split_with_train_size_samples_each_tasks_training_prompts_by_the_seed(tok):
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(30)]
     prompts, _ = data.build_prompts(rows, tok, thinking=True, max_prompt_len=512)
     prompts = [replace(p, task="a" if p.index % 3 == 0 else "b") for p in prompts]
-    train, held = heldout.split_heldout(prompts, 4, seed=2)
-    capped, held3 = heldout.split_heldout(prompts, 4, seed=2, train_size=3)
-    assert held3 == held  # the held-out split does not depend on train_size
-    # each task's first 3 training prompts, in order: a's 6 and b's 16, worked out from `train`
-    a = [p for p in train if p.task == "a"][:3]
-    b = [p for p in train if p.task == "b"][:3]
-    assert capped == sorted(a + b, key=lambda p: p.index) and len(capped) == 6
-    # a cap above a task's count keeps all of it
-    assert heldout.split_heldout(prompts, 4, seed=2, train_size=100)[0] == train
+    rng = random.Random(2)
+    a, b = list(range(0, 30, 3)), [i for i in range(30) if i % 3]
+    held = {a[j] for j in rng.sample(range(10), 2)} | {b[j] for j in rng.sample(range(20), 2)}
+    capped, held3 = heldout.split_heldout(prompts, 2, seed=2, train_size=3)
+    assert {p.index for p in held3} == held  # the held-out split does not depend on train_size
+    # the documented rule, independently: one generator samples a's 8 then b's 18 training indices
+    rng = random.Random("train-size 2")
+    kept = set(rng.sample([i for i in a if i not in held], 3))
+    kept |= set(rng.sample([i for i in b if i not in held], 3))
+    assert [p.index for p in capped] == sorted(kept) and len(capped) == 6
+    assert [p.task for p in capped].count("a") == 3
+    # a cap above a task's count keeps all of it; another seed, other prompts
+    train, _ = heldout.split_heldout(prompts, 2, seed=2)
+    assert heldout.split_heldout(prompts, 2, seed=2, train_size=100)[0] == train
+    assert heldout.split_heldout(prompts, 2, seed=5, train_size=3)[0] != capped
 
 
 def test_eval_size_must_leave_every_task_a_training_prompt(tmp_path, tok):
