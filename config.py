@@ -431,12 +431,16 @@ def model_kind(model: str) -> str:
     return "unknown"
 
 
+# the flags that pick a run's prompts and its held-out split: fixed once it has started
+RUN_PROMPTS = ("data", "seed", "train_size", "eval_size")
+
+
 def parse_args(argv=None) -> Args:
     """Defaults = ScaleRL, then the --model preset, then the --recipe, then (with --resume) the
     run's saved args; explicit flags win over all of them. An unknown model (hub id or directory)
     gets the "hf" row with CUDA and the "hf-cpu" row without. Raises BadInput (code 2) for an
     unknown preset or a --resume directory that holds no run; tyro exits 2 on a malformed flag and 0
-    after --help."""
+    after --help, and BadInput (code 2) for a --resume that changes RUN_PROMPTS."""
     argv = sys.argv[1:] if argv is None else argv
     # a first pass reads the three flags that pick the defaults the full parse starts from
     pre = argparse.ArgumentParser(add_help=False)
@@ -448,7 +452,17 @@ def parse_args(argv=None) -> Args:
         default = saved_args(known.resume)
     else:
         default = preset_args(known.model, known.recipe)
-    return tyro.cli(Args, args=argv, default=default)
+    args = tyro.cli(Args, args=argv, default=default)
+    # a resumed run keeps its prompts: its pool's checkpoint and held-out split are of them
+    for name in RUN_PROMPTS if known.resume else ():
+        given, saved = getattr(args, name), getattr(default, name)
+        if given != saved:
+            flag = "--" + name.replace("_", "-")
+            raise BadInput(
+                f"{flag} {given}: the run in --resume {known.resume} was started with {saved}; a "
+                "resumed run keeps its prompts (drop the flag)"
+            )
+    return args
 
 
 def saved_args(run_dir: str) -> Args:

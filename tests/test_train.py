@@ -467,6 +467,12 @@ def test_a_run_dir_without_checkpoint_restarts_at_step_0_and_the_messages_agree(
     assert config.parse_args(["--resume", str(stale)]).resume == str(stale)
     with pytest.raises(config.BadInput, match="not a run directory"):
         config.parse_args(["--resume", str(tmp_path)])
+    # a resumed run keeps its prompts: the saved seed 3, the default train size 0
+    for flag, value, saved in (("--seed", "4", "3"), ("--train-size", "5", "0")):
+        said = f"^{flag} {value}: the run in --resume .* was started with {saved}; a resumed"
+        with pytest.raises(config.BadInput, match=said):
+            config.parse_args(["--resume", str(stale), flag, value])
+    assert config.parse_args(["--resume", str(stale), "--seed", "3"]).seed == 3  # unchanged: fine
 
 
 def test_packing_only_where_attention_is_varlen():
