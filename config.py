@@ -284,7 +284,7 @@ PRESETS = {
         eval_n=4,  # the noise a 15-minute run affords
         # 800 of arith's 1,800 training prompts: a run passes them ~2.3 times and no longer draws
         # the ones No-Positive-Resampling retired; with all 1,800 (one pass a run) late batches
-        # were up to 40% zero-variance and one eval fell 0.04-0.07 (docs/history-presets.md)
+        # were ~40% zero-variance and one eval fell 0.04-0.07 (docs/history-presets.md)
         train_size=800,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
