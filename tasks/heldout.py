@@ -63,10 +63,10 @@ def split_heldout(
     train = [p for p in prompts if p.index not in held]
     if train_size:  # a random subset: a dataset's first rows may not be a fair sample
         rng = random.Random(f"train-size {seed}")
-        by_task = {task: [] for task in tasks}  # tasks in order of appearance, as held out
-        for p in train:
-            by_task[p.task].append(p.index)
-        kept = {i for ids in by_task.values() for i in rng.sample(ids, min(train_size, len(ids)))}
+        kept = set()
+        for ids in tasks.values():  # tasks in order of appearance, as held out
+            ids = [i for i in ids if i not in held]
+            kept.update(rng.sample(ids, min(train_size, len(ids))))
         train = [p for p in train if p.index in kept]
     heldout = [p for p in prompts if p.index in held]
     return train, heldout
