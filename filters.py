@@ -28,6 +28,9 @@ Where this departs from the paper, and why:
    flight at a checkpoint, is served first the next time its task is drawn.
 6. A rollout whose behaviour log-prob is NaN or +-inf on a policy token (a sampler fault the paper
    does not discuss) leaves its group before advantages are computed (drop_nonfinite_logp).
+7. A pool whose every prompt is retired (the paper's runs never empty theirs) raises AllRetired:
+   the pipeline stops drawing, trains the groups already drawn, and train.py ends the run there as
+   a finished one (checkpoint, fit, export).
 """
 
 import collections
@@ -149,6 +152,11 @@ def task_weights(tasks: list[str], weights: dict[str, float] | None = None) -> d
     return {t: float(weights[t]) for t in names}
 
 
+class AllRetired(RuntimeError):
+    """No-Positive-Resampling retired every training prompt: nothing is left to sample. The
+    pipeline ends its draws on it and train.py ends the run there, as a finished one."""
+
+
 class PromptPool:
     """Which prompt to sample next: No-Positive-Resampling (§3.2, Fig 6b; Polaris) or uniform
     epochs.
@@ -200,15 +208,16 @@ class PromptPool:
 
     def next(self) -> int:
         """Index of the next prompt to sample; retired prompts are skipped. Prompts handed back by
-        `release()`, or unfinished when a restored state was saved, come first. Raises RuntimeError
+        `release()`, or unfinished when a restored state was saved, come first. Raises AllRetired
         when every prompt is retired (the policy solves the whole training set at the threshold:
         nothing left to learn from)."""
         with self._lock:
             if not self.num_active:
-                raise RuntimeError(
-                    f"PromptPool: all {self.n_prompts} prompts are retired (pass rate >= "
-                    f"{float(self.threshold)}); nothing left to sample: more prompts (--data, "
-                    "--train-size), a higher --npr-threshold or --prompt-sampling uniform"
+                raise AllRetired(
+                    f"all {self.n_prompts} training prompts are retired (No-Positive-Resampling: "
+                    f"a group's pass rate >= {float(self.threshold)}); for more steps: more "
+                    "prompts (--data, --train-size), a higher --npr-threshold or --prompt-sampling "
+                    "uniform"
                 )
             while self._again:
                 idx = self._again.popleft()
@@ -328,15 +337,17 @@ class TaskPools:
 
     def next(self) -> int:
         """Index of the next prompt: a task drawn by weight among the live ones, then its pool's
-        next prompt. Raises RuntimeError when every task with weight > 0 is fully retired."""
+        next prompt. Raises AllRetired when every task with weight > 0 is fully retired."""
         with self._lock:
             live = [t for t, w in self.weights.items() if w > 0 and self.pools[t].num_active]
             u = self._rng.random()  # taken even when it raises below, as state_dict counts it
             self._draws += 1
             if not live:
-                raise RuntimeError(
-                    f"TaskPools: every prompt of every task ({', '.join(self.weights)}) with a "
-                    "weight > 0 is retired; nothing left to sample"
+                raise AllRetired(
+                    f"every training prompt of every task with a weight > 0 "
+                    f"({', '.join(self.weights)}) is retired (No-Positive-Resampling); for more "
+                    "steps: more prompts (--data, --train-size), --task-weights, a higher "
+                    "--npr-threshold or --prompt-sampling uniform"
                 )
             cum = np.cumsum([self.weights[t] for t in live])
             # u < 1, but u * total may round up to total: clamp to the last task

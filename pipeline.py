@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+import filters
 import generate
 from infra import engine
 from infra.weight_dirs import WeightDirs
@@ -368,6 +369,7 @@ class Pipeline:
         self._round_consumed = 0  # batches consumed since the last release (PPO-off-policy-k)
         self.dropped = 0  # stale groups dropped over the pipeline's life
         self._inflight: dict[int, float] = {}  # start order -> start time
+        self._all_retired: str | None = None  # why the pool has nothing left to draw
         self._idle_s = 0.0
         self._idle_since = time.perf_counter()
         self._wake = asyncio.Event()  # bound to the loop at first wait
@@ -417,19 +419,23 @@ class Pipeline:
         not skipped). Waits in POLL_S slices. Raises Stopped once stop() is True, the producer's
         exception (sampler, reward, data; its traceback and a note) once stored, RuntimeError once
         closed or if the engine died, TimeoutError after `timeout` s saying what the producer is
-        doing. Its metrics: batch_metrics."""
+        doing, filters.AllRetired once the pool has no prompt left to draw and the groups already
+        drawn cannot fill a batch (not a failure: the run is over). Its metrics: batch_metrics."""
         t0 = time.perf_counter()
         dropped = 0
 
         def ready() -> bool:
             nonlocal dropped
             dropped += self._drop_stale(version)
-            return len(self._queue) >= self.P
+            drained = self._all_retired is not None and not self._inflight
+            return len(self._queue) >= self.P or drained
 
         with self._state.cv:
             self._t_next = max(self._t_next, version)
             if not self._state.wait_until(ready, timeout):
                 raise TimeoutError(self._describe(version, timeout))
+            if len(self._queue) < self.P:  # the pool is empty and nothing is in flight
+                raise filters.AllRetired(self._all_retired)
             groups = [self._queue.popleft() for _ in range(self.P)]
             self._outstanding -= self.P
             self._t_next = max(self._t_next, version + 1)
@@ -677,7 +683,13 @@ class Pipeline:
             while True:
                 self._wake.clear()
                 while (seq := self._claim()) is not None:
-                    task = asyncio.create_task(self._group(seq, self.pool.next()))
+                    try:
+                        index = self.pool.next()
+                    except filters.AllRetired as exc:
+                        # draws end; the groups in flight finish and queue, weights still load
+                        self._unclaim(seq, str(exc))
+                        break
+                    task = asyncio.create_task(self._group(seq, index))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await self._wake.wait()
@@ -691,7 +703,7 @@ class Pipeline:
     def _claim(self) -> int | None:
         """The start order of a group that may start now (then counted as started), or None."""
         with self._state.cv:
-            if self._state.error or self._state.closed:
+            if self._state.error or self._state.closed or self._all_retired:
                 return None
             if len(self._inflight) >= self.max_inflight:
                 return None
@@ -715,6 +727,19 @@ class Pipeline:
             self._outstanding += 1
             self._round_started += 1
             return seq
+
+    def _unclaim(self, seq: int, why: str) -> None:
+        """Take back `_claim`'s count of group `seq`, whose prompt could not be drawn: `why`, the
+        pool's AllRetired, ends the draws and wakes the trainer's wait."""
+        with self._state.cv:
+            del self._inflight[seq]
+            self._started -= 1
+            self._outstanding -= 1
+            self._round_started -= 1
+            if not self._inflight:
+                self._idle_since = time.perf_counter()
+            self._all_retired = why
+            self._state.cv.notify_all()
 
     async def _group(self, seq: int, index: int) -> None:
         """Sample, score and queue group `seq` of prompt `index`; its errors fail the pipeline."""

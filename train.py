@@ -509,14 +509,17 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
        rollouts to samples.jsonl.
     Every rank gets the padded batch. Returns (batch, metrics): batch None on every rank when a
     stop (Ctrl-C) abandoned the step; metrics rank 0's gen/*, filter/* and train/reward ({} on the
-    other ranks)."""
+    other ranks). Raises filters.AllRetired on every rank once No-Positive-Resampling has retired
+    every training prompt and no batch is left."""
     from infra import generator  # loaded by main already (it imports vLLM): a name lookup here
 
     m = {}
     payload = [None]  # stays None when a stop abandons the step
     # rank 0 waits for the groups while the other ranks poll (rank0_call); None: a stop meanwhile
     batch = rank0_call(lambda: generator.next_batch(pipe, step))
-    if batch is not None:  # rank 0
+    if isinstance(batch, str):  # rank 0: every training prompt retired, said why
+        payload = [batch]
+    elif batch is not None:  # rank 0
         m = dict(batch.metrics)
         # math-verify's graded / timed-out counts since the last step
         m.update(math_reward.pop_stats())
@@ -545,6 +548,8 @@ def get_batch(args: Args, step: int, pipe, pool, pad_id: int, log) -> tuple[dict
         log.train_samples(step + 1, batch.groups)
     # every rank holds the whole batch, so each computes the same micro-batch plan
     dist.broadcast_object_list(payload)
+    if isinstance(payload[0], str):
+        raise filters.AllRetired(payload[0])
     return payload[0], m
 
 
@@ -627,12 +632,20 @@ def main(args: Args) -> None:
     launch.on_stop_signal(stop)
     pad_id = loading.pad_token_id(inputs.tokenizer)  # masked: never trained
     stopped = False  # the loop ended on a stop (every rank alike)
+    retired = False  # the loop ended with every training prompt retired: a finished run
     try:
         log.submit_start_evals(step, inputs.path, start_dir)
         while step < args.steps:
             t0 = time.perf_counter()
             # ---- 1. rollouts: P groups with lag <= k from the producer thread, filtered and padded
-            batch, m = get_batch(args, step, pipe, pool, pad_id, log)
+            try:
+                batch, m = get_batch(args, step, pipe, pool, pad_id, log)
+            except filters.AllRetired as e:  # nothing left to learn from: the run ends here
+                if master:
+                    print(f"step {step}: {e}; the run ends here", flush=True)
+                log.save(step, policy, optimizer, pool)
+                retired = True
+                break
             if batch is None:  # a stop abandoned the step: checkpoint the last completed one
                 stopped = True
                 log.save(step, policy, optimizer, pool, stopping=True)
@@ -668,14 +681,14 @@ def main(args: Args) -> None:
         # ---- the run's curve, fit whole and on its first half (§5), printed in words, and a HF
         # export that vLLM and transformers load (a resumed finished run waits for its evals too);
         # a stop meanwhile leaves the fit to --resume
-        done = step == args.steps and not stopped
+        done = (step == args.steps or retired) and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if master and done:
             print(
                 fit_report.summary(run_dir, records.final_fit(run_dir, log.history, args.fit_from)),
                 flush=True,
             )
-        if step == args.steps:
+        if step == args.steps or retired:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
     finally:

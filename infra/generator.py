@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import filters
 import generate
 import pipeline
 from config import Args, BadInput
@@ -432,9 +433,12 @@ def start(
 
 
 def next_batch(pipe, version: int):
-    """Rank 0: the pipeline's next batch for trainer version `version` (pipeline.Batch), None when a
-    stop (Ctrl-C) cut the wait for rollouts short."""
+    """Rank 0: the pipeline's next batch for trainer version `version` (pipeline.Batch); None when a
+    stop (Ctrl-C) cut the wait for rollouts short; filters.AllRetired's message (a str) when
+    No-Positive-Resampling has retired every training prompt and no batch is left."""
     try:
         return pipe.get_batch(version)
     except pipeline.Stopped:
         return None
+    except filters.AllRetired as e:  # not an error: rank0_call would fail the other ranks on it
+        return str(e)

@@ -24,6 +24,7 @@ import torch
 import generate
 import pipeline
 from filters import (
+    AllRetired,
     PromptPool,
     TaskPools,
     dapo_length_penalty,
@@ -207,7 +208,7 @@ def test_all_retired_raises():
     for i in range(3):
         pool.record(i, 10, 10)
     assert pool.num_active == 0
-    with pytest.raises(RuntimeError, match="all 3 prompts are retired"):
+    with pytest.raises(AllRetired, match=r"all 3 training prompts are retired .* >= 0\.9\)"):
         pool.next()
 
 
@@ -415,14 +416,14 @@ def test_retired_task_stops_being_drawn_and_none_left_raises():
     assert {TASKS[i] for i in draw(pools, 50)} == {"a", "c"}
     for i in (0, 2, 3, 5, 7, 9, 6):
         pools.record(i, 4, 4)
-    with pytest.raises(RuntimeError, match=r"every prompt of every task \(a, b, c\)"):
+    with pytest.raises(AllRetired, match=r"every task with a weight > 0 \(a, b, c\)"):
         pools.next()
     # a task of weight 0 is never drawn, and does not keep the pools alive
     zero = TaskPools(TASKS, {"a": 1, "b": 0, "c": 0}, seed=0)
     assert {TASKS[i] for i in draw(zero, 30)} == {"a"}
     for i in (0, 2, 3, 5, 7, 9):
         zero.record(i, 1, 1)
-    with pytest.raises(RuntimeError, match="retired"):
+    with pytest.raises(AllRetired, match="retired"):
         zero.next()
 
 

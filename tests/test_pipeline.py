@@ -593,24 +593,63 @@ def test_hang_caught_by_get_batch_timeout_then_close_cancels(loop):
         pipe.get_batch(0, timeout=1)
 
 
+class BrokenPool(filters.PromptPool):
+    """A pool whose draw fails, as a malformed data row would."""
+
+    def next(self):
+        raise ValueError("prompt 1's row has no answer")
+
+
 def test_data_error_reaches_get_batch(loop):
-    pool = filters.PromptPool(2)
-    pool.record(0, 4, 4)
-    pool.record(1, 4, 4)  # every prompt retired: next() raises
     with pipeline.Pipeline(
         HangingSampler(),
         make_prompts(2),
-        pool,
+        BrokenPool(2),
         loop=loop,
         group_size=G,
         prompts_per_step=P,
         max_lag=0,
     ) as pipe:
         t = time.monotonic()
-        with pytest.raises(RuntimeError, match="all 2 prompts are retired") as info:
+        with pytest.raises(ValueError, match="row has no answer") as info:
             pipe.get_batch(0, timeout=30)
         assert time.monotonic() - t < 5
         assert any("drawing a prompt" in note for note in info.value.__notes__)
+
+
+def test_every_prompt_retired_ends_the_batches_not_the_pipeline(loop):
+    """No-Positive-Resampling retires a prompt once a group of it is all correct (every reward 1
+    here). Once every prompt is retired the producer stops drawing, the groups already drawn still
+    make batches, and then get_batch raises AllRetired at once (not after its timeout), as often as
+    asked, with no error stored: a run ends there as a finished one."""
+    sampler, pool = VersionedSampler(), CountingPool(3)
+    with pipeline.Pipeline(
+        sampler,
+        make_prompts(3),
+        pool,
+        loop=loop,
+        group_size=G,
+        prompts_per_step=P,
+        max_lag=1,
+        reward_fn=lambda responses, golds, thinking, timeout: [1.0] * len(responses),
+    ) as pipe:
+        batches = 0
+        with pytest.raises(filters.AllRetired, match="all 3 training prompts are retired"):
+            for v in range(20):
+                batch = pipe.get_batch(v, timeout=30)
+                batches += 1
+                for g in batch.groups:
+                    pool.record(g.index, G, G)
+                pipe.publish_by(v + 1, sampler.swap)
+        assert pool.num_active == 0 and batches >= 2  # 3 prompts: at least 2 batches of 2
+        # each group drawn was trained, or is left over (fewer than a batch), or went stale
+        left = len(pipe._queue)
+        assert left < P and batches * P + left + pipe.dropped == len(pool.drawn)
+        assert pool.draws == len(pool.drawn) + 1  # the one draw that found nothing, then none
+        t = time.monotonic()
+        with pytest.raises(filters.AllRetired):
+            pipe.get_batch(batches, timeout=30)
+        assert time.monotonic() - t < 5 and pipe._state.error is None and not pipe._inflight
 
 
 def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):

@@ -1204,6 +1204,32 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_a_run_whose_every_prompt_retires_ends_as_a_finished_run(tiny_model, tmp_path):
+    # 4 training prompts, each retired by its first group with a correct rollout (1 of 4 >= 0.25):
+    # the pool empties within a few steps of 40, and the run ends there with its checkpoint, its
+    # fit's summary and its export, exit 0, instead of a traceback
+    run_dir = str(tmp_path / "run")
+    argv = ["--train-size", "4", "--npr-threshold", "0.25", "--steps", "40"]
+    out = run_train([*argv, "--run-dir", run_dir, *SMALL])
+    ended = re.search(
+        r"step (\d+): all 4 training prompts are retired .*; the run ends here", out.stdout
+    )
+    assert ended, out.stdout[-3000:]
+    step = int(ended.group(1))
+    assert 1 <= step < 40
+    steps, evals = split_lines(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, step + 1))
+    assert steps[-1]["filter/active_prompts"] == 0
+    with open(os.path.join(run_dir, "state.json")) as f:
+        state = json.load(f)
+    assert state["step"] == step and len(state["pool"]["retired"]) == 4
+    assert f"run {run_dir}: pass rate " in out.stdout and os.path.exists(f"{run_dir}/fit.json")
+    assert os.path.exists(os.path.join(run_dir, "final", "config.json"))
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
 def test_rank0_busy_longer_than_the_collective_timeout(tmp_path):
     """Issue 10: rank 0 busy (an eval, vLLM starting) for 2.5x the process group's timeout while the
     other rank waits. Through rank0_call both ranks get rank 0's result after ~25 s; waiting in one
