@@ -29,8 +29,9 @@ Where this departs from the paper, and why:
 6. A rollout whose behaviour log-prob is NaN or +-inf on a policy token (a sampler fault the paper
    does not discuss) leaves its group before advantages are computed (drop_nonfinite_logp).
 7. A pool whose every prompt is retired (the paper's runs never empty theirs) raises AllRetired:
-   the pipeline stops drawing, trains the groups already drawn, and train.py ends the run there as
-   a finished one (checkpoint, fit, export).
+   the pipeline stops drawing, the groups in flight finish and train in whole batches, and
+   train.py ends the run there as a finished one (its last weights exported and evaluated, a
+   checkpoint, the fit).
 """
 
 import collections
@@ -215,9 +216,9 @@ class PromptPool:
             if not self.num_active:
                 raise AllRetired(
                     f"all {self.n_prompts} training prompts are retired (No-Positive-Resampling: "
-                    f"a group's pass rate >= {float(self.threshold)}); for more steps: more "
-                    "prompts (--data, --train-size), a higher --npr-threshold or --prompt-sampling "
-                    "uniform"
+                    f"a group's pass rate >= {float(self.threshold)}); a new run gets more steps "
+                    "from more prompts (--data, --train-size), a higher --npr-threshold or "
+                    "--prompt-sampling uniform"
                 )
             while self._again:
                 idx = self._again.popleft()
@@ -343,11 +344,12 @@ class TaskPools:
             u = self._rng.random()  # taken even when it raises below, as state_dict counts it
             self._draws += 1
             if not live:
+                drawn = ", ".join(t for t, w in self.weights.items() if w > 0)
                 raise AllRetired(
-                    f"every training prompt of every task with a weight > 0 "
-                    f"({', '.join(self.weights)}) is retired (No-Positive-Resampling); for more "
-                    "steps: more prompts (--data, --train-size), --task-weights, a higher "
-                    "--npr-threshold or --prompt-sampling uniform"
+                    f"every training prompt of every task with a weight > 0 ({drawn}) is retired "
+                    "(No-Positive-Resampling); a new run gets more steps from more prompts "
+                    "(--data, --train-size), --task-weights, a higher --npr-threshold or "
+                    "--prompt-sampling uniform"
                 )
             cum = np.cumsum([self.weights[t] for t in live])
             # u < 1, but u * total may round up to total: clamp to the last task

@@ -703,7 +703,7 @@ class Pipeline:
     def _claim(self) -> int | None:
         """The start order of a group that may start now (then counted as started), or None."""
         with self._state.cv:
-            if self._state.error or self._state.closed or self._all_retired:
+            if self._state.error or self._state.closed or self._all_retired is not None:
                 return None
             if len(self._inflight) >= self.max_inflight:
                 return None
@@ -746,6 +746,7 @@ class Pipeline:
         prompt = self.prompts[index]
         t0 = time.perf_counter()
         deadline = asyncio.timeout(self.gen_timeout)
+        group = None
         try:
             async with deadline:
                 comps = await self.sampler.generate(
@@ -768,14 +769,15 @@ class Pipeline:
             )
             return self._state.fail(hang, f"generating or scoring group {seq}")
         finally:
+            # out of flight and into the queue at once: a wait never sees it in neither
             with self._state.cv:
                 del self._inflight[seq]
                 if not self._inflight:  # idle from now on
                     self._idle_since = time.perf_counter()
+                if group is not None:
+                    self._queue.append(group)
+                self._state.cv.notify_all()
             self._wake.set()
-        with self._state.cv:
-            self._queue.append(group)
-            self._state.cv.notify_all()
 
     async def _update_loop(self) -> None:
         """Load each released weight version in flight, the newest only if several wait."""

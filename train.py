@@ -643,7 +643,6 @@ def main(args: Args) -> None:
             except filters.AllRetired as e:  # nothing left to learn from: the run ends here
                 if master:
                     print(f"step {step}: {e}; the run ends here", flush=True)
-                log.save(step, policy, optimizer, pool)
                 retired = True
                 break
             if batch is None:  # a stop abandoned the step: checkpoint the last completed one
@@ -680,16 +679,22 @@ def main(args: Args) -> None:
                 break
         # ---- the run's curve, fit whole and on its first half (§5), printed in words, and a HF
         # export that vLLM and transformers load (a resumed finished run waits for its evals too);
-        # a stop meanwhile leaves the fit to --resume
+        # a stop meanwhile leaves the fit to --resume. A run whose prompts all retired ends as if
+        # its step were the last: its weights exported and evaluated, then its checkpoint.
+        final = os.path.join(run_dir, "final") if master else None
+        if retired:
+            checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)
+            log.submit_last_eval(step, final)
         done = (step == args.steps or retired) and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
+        if retired:
+            log.save(step, policy, optimizer, pool, stopping=not done)
         if master and done:
             print(
                 fit_report.summary(run_dir, records.final_fit(run_dir, log.history, args.fit_from)),
                 flush=True,
             )
-        if step == args.steps or retired:
-            final = os.path.join(run_dir, "final") if master else None
+        if step == args.steps:
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
     finally:
         engines.close()

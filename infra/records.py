@@ -324,6 +324,15 @@ class RunLog:
         if step > 0 and self.is_eval_step(step) and step not in done:
             self.submit_eval(start_dir, {"step": step, "clock": dict(self.clock)})
 
+    def submit_last_eval(self, step: int, path: str) -> None:
+        """Rank 0: the eval of a run's last weights, exported to `path`, when the run ended before
+        --steps (every training prompt retired) at a step that is no eval step and whose eval is
+        not in the history (a resumed run's may be)."""
+        if not self.master or self.is_eval_step(step):
+            return
+        if step not in {h["step"] for h in self.history}:
+            self.submit_eval(path, {"step": step, "clock": dict(self.clock)})
+
     def log_evals(self, step: int) -> None:
         """Rank 0: every eval finished since the last call gets its metrics.jsonl line against the
         step, weight version and compute clock it measured (logged later, in the order submitted),

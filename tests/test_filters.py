@@ -423,7 +423,7 @@ def test_retired_task_stops_being_drawn_and_none_left_raises():
     assert {TASKS[i] for i in draw(zero, 30)} == {"a"}
     for i in (0, 2, 3, 5, 7, 9):
         zero.record(i, 1, 1)
-    with pytest.raises(AllRetired, match="retired"):
+    with pytest.raises(AllRetired, match=r"every task with a weight > 0 \(a\) is retired"):
         zero.next()
 
 

@@ -14,23 +14,24 @@ deleted; each prompt is scored by its kind's reward function, reasons reach the 
 per-task fractions and the eval records, and a kind without a reward function fails; eval_metrics
 gives the overall metrics and, with several tasks, each task's, from hand-made records; (4)
 failures: a reward function raising on the 3rd group reaches `get_batch` as that exception within 10
-s, a data error likewise, a hanging sampler is caught by gen_timeout or by get_batch's timeout with
-a message saying what the producer is doing, and close() cancels hung requests; a stop request
-(Ctrl-C) or a dead engine ends get_batch and the eval engine's wait within a poll (0.5 s) and a
-stopping pipeline publishes nothing; weights_root deletes the weight directories of dead runs only,
-weights_parent falls back from a small /dev/shm; (5) PPO-off-policy-k gives k batches per weight
-version, and a KeyboardInterrupt during generation closes an engine-owning pipeline and its eval
-engine (every thread at nice 19, its workers' bound to one CPU) within 30 s leaving no child process
-or thread; (6) the NCCL path's publish keeps the version bookkeeping; (7) evaluation (issue 10):
-with fixed-throughput first-come-first-served fake engines, an eval of 10 batches' tokens runs while
-the trainer takes >= 5 steps, and comes back tagged with the version it measured, loaded from its
-snapshot (the shared-engine design fails this test: its tokens mix versions); evals beyond
-max_evals_pending are refused, results come back in order with their tags, a failing eval or an eval
-engine that cannot start fails the eval engine's next wait and its results (read after every
-step), so does a hung one after gen_timeout without progress (a slow one finishes); a real eval on
-the session engine samples only from the snapshot's weights and its metrics are the records' means
-(eval_metrics by hand too); group_timeout scales with the budgets. In (5) a running eval is aborted
-by close() too.
+s, a data error likewise; a pool whose every prompt is retired ends the batches (AllRetired at once,
+after the groups in flight), not the pipeline; a hanging sampler is caught by gen_timeout or by
+get_batch's timeout with a message saying what the producer is doing, and close() cancels hung
+requests; a stop request (Ctrl-C) or a dead engine ends get_batch and the eval engine's wait within
+a poll (0.5 s) and a stopping pipeline publishes nothing; weights_root deletes the weight
+directories of dead runs only, weights_parent falls back from a small /dev/shm; (5) PPO-off-policy-k
+gives k batches per weight version, and a KeyboardInterrupt during generation closes an
+engine-owning pipeline and its eval engine (every thread at nice 19, its workers' bound to one CPU)
+within 30 s leaving no child process or thread; (6) the NCCL path's publish keeps the version
+bookkeeping; (7) evaluation (issue 10): with fixed-throughput first-come-first-served fake engines,
+an eval of 10 batches' tokens runs while the trainer takes >= 5 steps, and comes back tagged with
+the version it measured, loaded from its snapshot (the shared-engine design fails this test: its
+tokens mix versions); evals beyond max_evals_pending are refused, results come back in order with
+their tags, a failing eval or an eval engine that cannot start fails the eval engine's next wait and
+its results (read after every step), so does a hung one after gen_timeout without progress (a slow
+one finishes); a real eval on the session engine samples only from the snapshot's weights and its
+metrics are the records' means (eval_metrics by hand too); group_timeout scales with the budgets. In
+(5) a running eval is aborted by close() too.
 """
 
 import asyncio

