@@ -358,7 +358,7 @@ def build(
     key hashing the settings, seed and code (build_key); `force` rebuilds. A build writes to a
     temporary directory and renames it into place, so a crash leaves no half-written model and
     concurrent builders agree on one result. About 2 min on an idle 2-core machine (torch's
-    default threads; tiny-moe ~5 min), longer beside other jobs."""
+    default threads; tiny-moe ~1.5x that), longer beside other jobs."""
     name = f"tiny-moe-{build_key(seed, moe)}" if moe else f"tiny-{build_key(seed)}"
     path = os.path.join(cache_dir or default_cache_dir(), name)
     if os.path.exists(os.path.join(path, "config.json")) and not force:
