@@ -682,14 +682,8 @@ class Pipeline:
         try:
             while True:
                 self._wake.clear()
-                while (seq := self._claim()) is not None:
-                    try:
-                        index = self.pool.next()
-                    except filters.AllRetired as exc:
-                        # draws end; the groups in flight finish and queue, weights still load
-                        self._unclaim(seq, str(exc))
-                        break
-                    task = asyncio.create_task(self._group(seq, index))
+                while (claim := self._claim()) is not None:
+                    task = asyncio.create_task(self._group(*claim))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await self._wake.wait()
@@ -700,8 +694,10 @@ class Pipeline:
                 task.cancel()  # vLLM aborts a cancelled request
             await asyncio.gather(*tasks, updater, return_exceptions=True)
 
-    def _claim(self) -> int | None:
-        """The start order of a group that may start now (then counted as started), or None."""
+    def _claim(self) -> tuple[int, int] | None:
+        """(start order, prompt index from pool.next()) of a group that may start now, then counted
+        as started; or None. When the pool has nothing left (AllRetired) the draws end for good:
+        the groups in flight finish and queue, weights still load, and the trainer's wait wakes."""
         with self._state.cv:
             if self._state.error or self._state.closed or self._all_retired is not None:
                 return None
@@ -718,6 +714,12 @@ class Pipeline:
             )
             if not allowed:
                 return None
+            try:
+                index = self.pool.next()
+            except filters.AllRetired as exc:
+                self._all_retired = str(exc)
+                self._state.cv.notify_all()
+                return None
             seq = self._started
             now = time.perf_counter()
             if not self._inflight:  # the producer was idle until now
@@ -726,20 +728,7 @@ class Pipeline:
             self._started += 1
             self._outstanding += 1
             self._round_started += 1
-            return seq
-
-    def _unclaim(self, seq: int, why: str) -> None:
-        """Take back `_claim`'s count of group `seq`, whose prompt could not be drawn: `why`, the
-        pool's AllRetired, ends the draws and wakes the trainer's wait."""
-        with self._state.cv:
-            del self._inflight[seq]
-            self._started -= 1
-            self._outstanding -= 1
-            self._round_started -= 1
-            if not self._inflight:
-                self._idle_since = time.perf_counter()
-            self._all_retired = why
-            self._state.cv.notify_all()
+            return seq, index
 
     async def _group(self, seq: int, index: int) -> None:
         """Sample, score and queue group `seq` of prompt `index`; its errors fail the pipeline."""

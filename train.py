@@ -681,11 +681,12 @@ def main(args: Args) -> None:
         # export that vLLM and transformers load (a resumed finished run waits for its evals too);
         # a stop meanwhile leaves the fit to --resume. A run whose prompts all retired ends as if
         # its step were the last: its weights exported and evaluated, then its checkpoint.
-        final = os.path.join(run_dir, "final") if master else None
-        if retired:
-            checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)
+        ended = step == args.steps or retired
+        if ended:
+            final = os.path.join(run_dir, "final") if master else None
+            checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
             log.submit_last_eval(step, final)
-        done = (step == args.steps or retired) and not stopped
+        done = ended and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if retired:
             log.save(step, policy, optimizer, pool, stopping=not done)
@@ -694,8 +695,6 @@ def main(args: Args) -> None:
                 fit_report.summary(run_dir, records.final_fit(run_dir, log.history, args.fit_from)),
                 flush=True,
             )
-        if step == args.steps:
-            checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
     finally:
         engines.close()
         if start_dir is not None:
