@@ -462,9 +462,13 @@ class Pipeline:
 
     def _drop_stale(self, version: int) -> int:  # with self._state.cv held
         """Drop the queued groups too stale to train on at `version`; returns how many."""
-        stale = [g for g in self._queue if not accept(version, g.min_version, self.k, self.mode)]
+        keep, stale = [], []
+        for g in self._queue:
+            (keep if accept(version, g.min_version, self.k, self.mode) else stale).append(g)
+        if stale:  # not deque.remove: it compares groups with ==, and a Completion's are tensors
+            self._queue.clear()
+            self._queue.extend(keep)
         for g in stale:
-            self._queue.remove(g)
             self.pool.release(g.index)  # never trained on: the pool serves the prompt again
             self._outstanding -= 1
             self.dropped += 1

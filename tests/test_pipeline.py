@@ -653,6 +653,46 @@ def test_every_prompt_retired_ends_the_batches_not_the_pipeline(loop):
         assert time.monotonic() - t < 5 and pipe._state.error is None and not pipe._inflight
 
 
+def test_a_stale_group_behind_a_fresh_one_of_the_same_prompt_is_dropped(loop):
+    """Two groups of one prompt in the queue (a prompt comes back once released, or in the next
+    pass over the pool), the fresh one first: get_batch drops the stale one and trains the fresh
+    ones in their order. Dropping it with deque.remove compared the groups with ==, their
+    completions' tensors included, and raised (a default run at e8a334f, step 93)."""
+
+    def group(prompt, index, min_version, value):
+        ids = [5, 6, 7]
+        completion = generate.Completion(
+            prompt.prompt_ids,
+            ids,
+            torch.full((3,), value),
+            torch.ones(3, dtype=torch.bool),
+            torch.full((3,), min_version),
+            "stop",
+            False,
+            False,
+            "x",
+        )
+        return pipeline.Group(prompt, index, [completion] * G, [0.0] * G, min_version, 0.0)
+
+    pool = CountingPool(8)
+    prompts = make_prompts()
+    with pipeline.Pipeline(
+        HangingSampler(), prompts, pool, loop=loop, group_size=G, prompts_per_step=P, max_lag=1
+    ) as pipe:
+        deadline = time.monotonic() + 10
+        while pool.draws < 2 * P and time.monotonic() < deadline:  # max_inflight: then it waits
+            time.sleep(0.01)
+        with pipe._state.cv:
+            i = pool.next()  # drawn, as the producer draws it
+            fresh = [group(prompts[i], i, 2, -1.0), group(prompts[i], i, 2, -2.0)]
+            stale = group(prompts[i], i, 0, -3.0)  # lag 2 at version 2 > k = 1
+            pipe._queue.extend([fresh[0], stale, fresh[1]])
+        batch = pipe.get_batch(2, timeout=10)
+        assert [id(g) for g in batch.groups] == [id(g) for g in fresh]
+        assert batch.metrics["gen/dropped_stale"] == 1 and pipe.dropped == 1
+        assert pool.released == [i]
+
+
 def test_stop_request_ends_every_wait_within_a_poll(loop, tmp_path):
     stop = {"requested": False}
     sampler = HangingSampler()
