@@ -14,7 +14,8 @@ Where this departs from the paper, and why:
    its start with an infinite covariance; an optimum on the grid's edge is flagged not converged.
 4. R0 is held fixed (A.5 calls the fit a three-parameter problem, {A, B, C_mid});
    infra/fit_report.py takes it from the step-0 eval.
-5. A fit must identify its ceiling (ours, issue 12): see _identify; a curve's left tail fits any A.
+5. A fit must identify its ceiling (ours, issues 12, 29): see _identify; a curve's left tail fits
+   any A; a fit at the bound A = 1 stands when Eq. 1 extended past 1 fits no ceiling 0.05 above.
 6. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4).
 """
 
@@ -182,7 +183,6 @@ def _fit_fast(C, R, R0, A=None) -> SigmoidFit:
         C_mid = float(np.exp(m + x.mean()))
     se_big = not problems and (se_A > A_ - R0 or se_B > B_ or se_m > w)  # m: vs the ln C span
     for bad, msg in (
-        (not fixed and A_ >= 1 - 1e-9, "A at its bound 1: no saturation in the data, no ceiling"),
         (not fixed and A_ <= R0 + 1e-9, "A at R0: the data do not rise above R0"),
         (B_ <= 1e-12, "B at 0: no rise with compute"),
         (not math.isfinite(C_mid), "C_mid overflows: far beyond the data"),
@@ -241,7 +241,10 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
     the 95% profile interval (Bates & Watts 1988, §6.1), A_interval, its ends found by secant steps
     in the profile t. A is not identified (converged=False) if one lies A_CLEAR = 0.05 or more from
     fit.A (issue 12: a half-run A within 0.05 of the whole run's). Not the standard error: a left
-    tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits)."""
+    tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits). A fit at its bound A = 1 is profiled
+    past it too, at its unbounded optimum, 1.025 and 1.05 (Eq. 1 extended, a diagnostic; issue 29):
+    a curve that saturates at 1 (a task the policy masters) is identified, one that fits as well
+    heading past 1 (no saturation in the data) is not; the interval is reported clipped to 1."""
     x = np.log(C)
     u = x - x.mean()
     r = R - fit.R0
@@ -258,13 +261,19 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
         return 2 * out.cost, out.x
 
     steps = np.r_[0.025, np.arange(A_CLEAR, 1, A_CLEAR)]
-    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0]
+    at_bound = fit.A >= 1 - 1e-9
+    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0, *([1 + 0.025, 1 + A_CLEAR] if at_bound else [])]
     down = fit.A - steps[fit.A - steps > R0 + 1e-3]
     p_hat = (fit.B, math.log(fit.C_mid) - x.mean()) if 0 < fit.C_mid < math.inf else None
     prof = {fit.A: (fit.sse, p_hat)}  # A -> (SSE, (B, m))
     for side in (up, down):
         for A, prev in zip(side, [fit.A, *side], strict=False):
             prof[A] = profile(A, prof[prev][1])
+    if at_bound:  # the least SSE of Eq. 1 with A unbounded, where the profile's t counts from
+        res, jac = _model(u, R, R0)
+        out = _ls(res, jac, (1.0, *prof[1.0][1]), [R0, 0, -np.inf], [np.inf] * 3, 1e-8)
+        if out.x[0] > 1:
+            prof[float(out.x[0])] = (2 * out.cost, out.x[1:])
     dof = len(C) - 3
     for secant in (True, True, False):  # interpolate each end in t, refit there; twice
         As, sse = np.array([(A, prof[A][0]) for A in sorted(prof)]).T
@@ -276,11 +285,18 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
             ends.append(float(np.interp(1, t[[k, k_out]], As[[k, k_out]]) if bracket else As[k]))
             if secant and bracket:
                 prof[ends[-1]] = profile(ends[-1], prof[As[k]][1])
-    if np.any((t < 1) & (np.abs(As - fit.A) > A_CLEAR - 1e-9)):
-        why = f"A not identified: fixed-A refits with A in [{ends[0]:.3f}, {ends[1]:.3f}] fit "
-        why += f"within the noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
+    why = ""
+    if at_bound and t[np.abs(As - fit.A).argmin()] >= 1:  # least SSE past 1; A = 1 outside noise
+        why = f"A at its bound 1: Eq. 1 fits better heading past it (A={As[t.argmin()]:.3f}): "
+        why += "no saturation in the data, no ceiling"
+    elif np.any((t < 1) & (np.abs(As - fit.A) > A_CLEAR - 1e-9)):
+        why = "A at its bound 1 and " if at_bound else ""
+        why += f"A not identified: fixed-A refits with A in [{ends[0]:.3f}, {ends[1]:.3f}] "
+        why += "(Eq. 1 extended past 1) " if at_bound else ""
+        why += f"fit within the noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
+    if why:
         fit = replace(fit, converged=False, message="; ".join(filter(None, (fit.message, why))))
-    return replace(fit, A_interval=tuple(ends))
+    return replace(fit, A_interval=(min(ends[0], 1.0), min(ends[1], 1.0)))
 
 
 def fit_sigmoid(

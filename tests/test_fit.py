@@ -437,6 +437,44 @@ def test_table1_A_identified(name, C_mid, B, A):
         assert excess == pytest.approx(threshold(f.sse, 40), rel=0.05)
 
 
+def free_fit(C, R, p0, R0=R0):
+    """The least SSE of Eq. 1 with A unbounded (a ceiling past 1 allowed) and its A, by scipy's
+    curve_fit on eq1's power form from p0 = (A, B, C_mid)."""
+    f = lambda C_, A, B, C_mid: eq1(C_, A, B, C_mid, R0)
+    p, _ = curve_fit(f, C, R, p0=p0, bounds=([R0, 1e-6, 1e-12], [np.inf, np.inf, np.inf]))
+    return float(((f(C, *p) - R) ** 2).sum()), float(p[0])
+
+
+def test_ceiling_at_the_bound_identified():
+    """Issue 29: a policy that masters its task saturates at A = 1, Eq. 1's bound. Fixed-A refits
+    by scipy show what the data say: A = 1 fits within the noise of the best unbounded fit and A =
+    1.05 does not, so A = 1 is kept, converged, its interval closed at 1; the lower end where the
+    refit exceeds the least SSE by t^2 s^2 (as test_table1_A_identified)."""
+    C, R, _ = evals(2542, 1.92, 1.0)
+    f = fit.fit_sigmoid(C, R, R0)
+    sse_free, _ = free_fit(C, R, (1.0, 1.92, 2542))
+    bar = threshold(sse_free, 40)
+    assert sse_fixed_A(C, R, 1.0, (1.92, 2542)) - sse_free < bar
+    assert sse_fixed_A(C, R, 1.0 + fit.A_CLEAR, (1.92, 2542)) - sse_free > bar
+    assert f.A == pytest.approx(1.0, abs=1e-9) and f.converged, f.message
+    lo, hi = f.A_interval
+    assert hi == 1.0 and 1.0 - fit.A_CLEAR < lo < 1.0
+    assert sse_fixed_A(C, R, lo, (f.B, f.C_mid)) - sse_free == pytest.approx(bar, rel=0.05)
+
+
+def test_curve_heading_past_1_not_identified():
+    """Evals up to 1.2 C_mid of a curve heading for 1.3 (0.43-0.91): the bound fit A = 1 is worse
+    than the unbounded fit by more than the noise (scipy's refits), so the data show no ceiling."""
+    C = np.linspace(0.1 * 2542, 1.2 * 2542, 30)
+    R = eq1(C, 1.3, 1.92, 2542) + np.random.default_rng(0).normal(0, 0.002, 30)
+    sse_free, A_free = free_fit(C, R, (1.3, 1.92, 2542))
+    assert A_free > 1.0 + fit.A_CLEAR
+    assert sse_fixed_A(C, R, 1.0, (1.92, 2542)) - sse_free > threshold(sse_free, 30)
+    f = fit.fit_sigmoid(C, R, R0)
+    assert f.A == pytest.approx(1.0, abs=1e-9) and not f.converged
+    assert "A at its bound 1: Eq. 1 fits better heading past it" in f.message
+
+
 def test_flat_curve_A_not_identified():
     """No rise: R = R0 + noise (a seed whose trend against ln C is positive, so that it is not
     rejected as decreasing). Any A fits with C_mid beyond the data: the curve stays at R0 there,
