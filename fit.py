@@ -15,7 +15,8 @@ Where this departs from the paper, and why:
 4. R0 is held fixed (A.5 calls the fit a three-parameter problem, {A, B, C_mid});
    infra/fit_report.py takes it from the step-0 eval.
 5. A fit must identify its ceiling (ours, issues 12, 29): see _identify; a curve's left tail fits
-   any A; a fit at the bound A = 1 stands when Eq. 1 extended past 1 fits no ceiling 0.05 above.
+   any A. A fit at the bound A = 1 stands when, with Eq. 1 extended past 1, A = 1 fits within the
+   noise and no A of 1.05 or more does: a task the policy masters.
 6. Bootstrap intervals are ours; the paper only states a +-0.02 margin on A (§4).
 """
 
@@ -34,6 +35,7 @@ A_MARGIN = 0.02  # §4, A.5: A varied by at most +-0.015 over three seeds, hence
 A_CLEAR = 0.05  # "clearly different" A for _identify: issue 12's bar for a half-run A vs the whole
 PAPER_GRID_A = np.round(np.arange(0.450, 0.8001, 0.005), 3)  # A.5: 71 values
 PAPER_GRID_C_MID = np.linspace(100.0, 40000.0, 100)  # A.5: 100 linearly spaced values (GPU-hours)
+A_EXTENDED = 2.0  # _identify at the bound A = 1: Eq. 1 profiled past it up to here (a diagnostic)
 RANK_TOL = 1e-8  # Jacobian singular values: smallest/largest below this = infinite covariance
 Method = Literal["fast", "grid"]
 
@@ -232,19 +234,23 @@ def _refit(res, jac, p0):
     return out if out.x[0] >= 0 else _ls(res, jac, p0, [0, -np.inf], [np.inf, np.inf], 1e-8)
 
 
+def _join(*messages: str) -> str:
+    return "; ".join(filter(None, messages))
+
+
 def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
-    """Is A identified (ours, issue 12)? A's profile: the least SSE with A fixed (B, C_mid free) at
-    fit.A +- 0.025, +-0.05, then every 0.05 out to R0 and 1, each refit from its neighbour's
-    solution (and _scan's best cell if better). An A fits within the noise if its SSE exceeds the
-    least by under t^2 s^2, s^2 = SSE / (n - 3), t Student's 97.5% point on n - 3 degrees of freedom
-    (t^2 = F(1, n - 3): 4.67 at n = 16; chi^2(1)'s 3.84 ignores that s^2 is estimated). These A form
-    the 95% profile interval (Bates & Watts 1988, §6.1), A_interval, its ends found by secant steps
-    in the profile t. A is not identified (converged=False) if one lies A_CLEAR = 0.05 or more from
-    fit.A (issue 12: a half-run A within 0.05 of the whole run's). Not the standard error: a left
-    tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits). A fit at its bound A = 1 is profiled
-    past it too, at its unbounded optimum, 1.025 and 1.05 (Eq. 1 extended, a diagnostic; issue 29):
-    a curve that saturates at 1 (a task the policy masters) is identified, one that fits as well
-    heading past 1 (no saturation in the data) is not; the interval is reported clipped to 1."""
+    """Is A identified (ours, issues 12, 29)? A's profile: the least SSE with A fixed (B, C_mid
+    free) at fit.A +- 0.025, +-0.05, then every 0.05 out to R0 and 1, each refit from its
+    neighbour's solution (and _scan's best cell if better). An A fits within the noise if its SSE
+    exceeds the least by under t^2 s^2, s^2 = SSE / (n - 3), t Student's 97.5% point on n - 3
+    degrees of freedom (t^2 = F(1, n - 3): 4.67 at n = 16; chi^2(1)'s 3.84 ignores that s^2 is
+    estimated). These A form the 95% profile interval (Bates & Watts 1988, §6.1), A_interval, its
+    ends found by secant steps in the profile t. A is not identified (converged=False) if one lies
+    A_CLEAR = 0.05 or more from fit.A (issue 12: a half-run A within 0.05 of the whole run's). Not
+    the standard error: a left tail fools it (A = 0.28 +- 0.02; any A in 0.3-1 fits). At its bound 1
+    A's profile goes on past it to A_EXTENDED (issue 29), the least SSE there included: A = 1 is not
+    identified either if it lies outside the noise (the curve heads past 1; A_interval: the ends
+    past 1) or as above; else A_interval is clipped to 1."""
     x = np.log(C)
     u = x - x.mean()
     r = R - fit.R0
@@ -262,16 +268,21 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
 
     steps = np.r_[0.025, np.arange(A_CLEAR, 1, A_CLEAR)]
     at_bound = fit.A >= 1 - 1e-9
-    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0, *([1 + 0.025, 1 + A_CLEAR] if at_bound else [])]
+    up = [*(fit.A + steps)[fit.A + steps < 1], 1.0]
+    if at_bound:
+        up += [*(1 + steps)[1 + steps <= A_EXTENDED]]
     down = fit.A - steps[fit.A - steps > R0 + 1e-3]
     p_hat = (fit.B, math.log(fit.C_mid) - x.mean()) if 0 < fit.C_mid < math.inf else None
     prof = {fit.A: (fit.sse, p_hat)}  # A -> (SSE, (B, m))
     for side in (up, down):
         for A, prev in zip(side, [fit.A, *side], strict=False):
             prof[A] = profile(A, prof[prev][1])
-    if at_bound:  # the least SSE of Eq. 1 with A unbounded, where the profile's t counts from
+    if at_bound:  # the least SSE of the extended Eq. 1, where the profile's t counts from
+        A0 = min((A for A in prof if A >= 1), key=lambda A: prof[A][0])
         res, jac = _model(u, R, R0)
-        out = _ls(res, jac, (1.0, *prof[1.0][1]), [R0, 0, -np.inf], [np.inf] * 3, 1e-8)
+        out = _ls(
+            res, jac, (A0, *prof[A0][1]), [R0, 0, -np.inf], [A_EXTENDED, np.inf, np.inf], 1e-8
+        )
         if out.x[0] > 1:
             prof[float(out.x[0])] = (2 * out.cost, out.x[1:])
     dof = len(C) - 3
@@ -285,18 +296,20 @@ def _identify(fit: SigmoidFit, C, R) -> SigmoidFit:
             ends.append(float(np.interp(1, t[[k, k_out]], As[[k, k_out]]) if bracket else As[k]))
             if secant and bracket:
                 prof[ends[-1]] = profile(ends[-1], prof[As[k]][1])
-    why = ""
-    if at_bound and t[np.abs(As - fit.A).argmin()] >= 1:  # least SSE past 1; A = 1 outside noise
-        why = f"A at its bound 1: Eq. 1 fits better heading past it (A={As[t.argmin()]:.3f}): "
-        why += "no saturation in the data, no ceiling"
-    elif np.any((t < 1) & (np.abs(As - fit.A) > A_CLEAR - 1e-9)):
-        why = "A at its bound 1 and " if at_bound else ""
-        why += f"A not identified: fixed-A refits with A in [{ends[0]:.3f}, {ends[1]:.3f}] "
-        why += "(Eq. 1 extended past 1) " if at_bound else ""
-        why += f"fit within the noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
-    if why:
-        fit = replace(fit, converged=False, message="; ".join(filter(None, (fit.message, why))))
-    return replace(fit, A_interval=(min(ends[0], 1.0), min(ends[1], 1.0)))
+    noise = f"fit within the noise (95% profile), {A_CLEAR} or more from A={fit.A:.3f}"
+    if at_bound and t[np.abs(As - fit.A).argmin()] >= 1:
+        best, lo, hi = As[t.argmin()], *ends
+        why = f"A at its bound 1: Eq. 1 extended past it fits better (A={best:.3f}, profile "
+        why += f"[{lo:.3f}, {hi:.3f}]): no saturation in the data, no ceiling"
+        return replace(fit, converged=False, message=_join(fit.message, why), A_interval=(lo, hi))
+    if np.any((t < 1) & (np.abs(As - fit.A) > A_CLEAR - 1e-9)):
+        if at_bound:
+            why = "A at its bound 1 and A not identified: with Eq. 1 extended past 1, A in "
+        else:
+            why = "A not identified: fixed-A refits with A in "
+        why += f"[{ends[0]:.3f}, {ends[1]:.3f}] {noise}"
+        fit = replace(fit, converged=False, message=_join(fit.message, why))
+    return replace(fit, A_interval=(ends[0], min(ends[1], 1.0)))
 
 
 def fit_sigmoid(
@@ -308,8 +321,9 @@ def fit_sigmoid(
     the paper's grids, for GPU-hours); "fast": multi-start least squares, scale-free. A free fit
     gets A's profile interval and the identifiability rule (_identify). Raises ValueError on
     NaN/inf, negative or zero compute, < 4 distinct C, flat or non-increasing R, R0 >= 1, A outside
-    (R0, 1]; RuntimeError when every grid point fails. A fit on a bound, with infinite covariance,
-    on the grid's edge or with A not identified returns converged=False with the reason."""
+    (R0, 1]; RuntimeError when every grid point fails. A fit with A at R0 or B at 0, with infinite
+    covariance, on the grid's edge or with A not identified (_identify; at A = 1 too) returns
+    converged=False with the reason."""
     C, R = _validate(C, R, R0, fit_from)
     if A is not None and not R0 < A <= 1:
         raise ValueError(f"fixed A={A} must lie in (R0={R0}, 1]")

@@ -120,7 +120,7 @@ def group_timeout(
 # ---- groups and batches ----
 
 
-@dataclass
+@dataclass(eq=False)  # one group is one sampling event: == is identity (its tensors never compare)
 class Group:
     """G rollouts of one prompt with their rewards; versions are trainer versions (those of
     `completion.versions` too)."""

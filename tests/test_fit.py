@@ -463,7 +463,7 @@ def test_ceiling_at_the_bound_identified():
 
 
 def test_curve_heading_past_1_not_identified():
-    """Evals up to 1.2 C_mid of a curve heading for 1.3 (0.43-0.91): the bound fit A = 1 is worse
+    """Evals up to 1.2 C_mid of a curve heading for 1.3 (0.36-0.91): the bound fit A = 1 is worse
     than the unbounded fit by more than the noise (scipy's refits), so the data show no ceiling."""
     C = np.linspace(0.1 * 2542, 1.2 * 2542, 30)
     R = eq1(C, 1.3, 1.92, 2542) + np.random.default_rng(0).normal(0, 0.002, 30)
@@ -472,7 +472,8 @@ def test_curve_heading_past_1_not_identified():
     assert sse_fixed_A(C, R, 1.0, (1.92, 2542)) - sse_free > threshold(sse_free, 30)
     f = fit.fit_sigmoid(C, R, R0)
     assert f.A == pytest.approx(1.0, abs=1e-9) and not f.converged
-    assert "A at its bound 1: Eq. 1 fits better heading past it" in f.message
+    assert "A at its bound 1: Eq. 1 extended past it fits better" in f.message
+    assert 1.0 < f.A_interval[0] < A_free < f.A_interval[1]  # the ends past 1, not clipped
 
 
 def test_flat_curve_A_not_identified():

@@ -687,6 +687,7 @@ def test_a_stale_group_behind_a_fresh_one_of_the_same_prompt_is_dropped(loop):
             fresh = [group(prompts[i], i, 2, -1.0), group(prompts[i], i, 2, -2.0)]
             stale = group(prompts[i], i, 0, -3.0)  # lag 2 at version 2 > k = 1
             pipe._queue.extend([fresh[0], stale, fresh[1]])
+            pipe._outstanding += 3  # started, as the producer counts its groups
         batch = pipe.get_batch(2, timeout=10)
         assert [id(g) for g in batch.groups] == [id(g) for g in fresh]
         assert batch.metrics["gen/dropped_stale"] == 1 and pipe.dropped == 1
