@@ -465,7 +465,7 @@ class Pipeline:
         keep, stale = [], []
         for g in self._queue:
             (keep if accept(version, g.min_version, self.k, self.mode) else stale).append(g)
-        if stale:  # not deque.remove: it compares groups with ==, and a Completion's are tensors
+        if stale:  # one pass, the fresh groups in their order (no deque.remove: no == per group)
             self._queue.clear()
             self._queue.extend(keep)
         for g in stale:
