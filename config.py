@@ -20,7 +20,7 @@ Where it departs from the paper, and why:
 1. Scale: the default `--model tiny` (12 prompts x 16, 156 steps, evals of 200 x 4 every
    6 steps, 5 warmup steps, k = 2) fits 15 minutes on 2 CPU cores; the paper's 48 x 16, 1,000 x 16
    held-out evals every 100 steps, 100 warmup steps and k = 8 (A.3, §3.1) are the qwen3 presets'.
-   Its 800 training prompts pass ~2.3 times in a run, as the paper's runs pass Polaris-53K several
+   Its 1,200 training prompts pass ~1.5 times in a run, as the paper's runs pass Polaris-53K several
    times (an epoch ~1k steps, A.5), so No-Positive-Resampling retires the solved ones.
 2. The paper gives the learning rate of its 8B model only (5e-7, A.3); the smaller qwen3 presets
    take 1e-6, the tiny model 2e-4.
@@ -282,10 +282,11 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        # 800 of arith's 1,800 training prompts: a run passes them ~2.3 times and no longer draws
-        # the ones No-Positive-Resampling retired; with all 1,800 (one pass a run) late batches
-        # were ~40% zero-variance and one eval fell 0.04-0.07 (docs/history-presets.md)
-        train_size=800,
+        # 1,200 of arith's 1,800 training prompts: a run passes them ~1.5 times and No-Positive-
+        # Resampling retires the solved ones; 800 ran down to 8 active prompts by step ~147 and one
+        # run fell 0.14 on them; all 1,800 left late batches ~40% zero-variance
+        # (docs/history-presets.md)
+        train_size=1200,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
         # 4 of them pad a step's rollouts less than the default budget's 2 (issue 28; measured:

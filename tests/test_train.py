@@ -1282,9 +1282,9 @@ def test_two_task_run_logs_each_tasks_eval_and_a_fit_per_task(tiny_model, tmp_pa
     run_dir = str(tmp_path / "mix")
     argv = ["--data", "arith-hard+arith", "--task-weights", "arith-hard=1", "arith=3"]
     out = run_train([*argv, "--steps", "2", "--run-dir", run_dir, *SMALL])
-    # 8 held out per task; --train-size 800 (the tiny preset's) per task: arith-hard keeps all of
-    # its 662 - 8 = 654, arith 800 of its 1,445 (2,099 in all without the cap)
-    assert "arith-hard+arith: 1454 train, 16 held-out prompts" in out.stdout
+    # 8 held out per task; --train-size 1200 (the tiny preset's) per task: arith-hard keeps all of
+    # its 662 - 8 = 654, arith 1,200 of its 1,445 (2,099 in all without the cap)
+    assert "arith-hard+arith: 1854 train, 16 held-out prompts" in out.stdout
     evals = [m for m in metrics(run_dir) if "eval/pass_rate" in m]
     assert [m["step"] for m in evals] == [0, 2]
     for m in evals:  # 8 prompts x 2 samples per task: the overall rate is the mean of the two
