@@ -282,10 +282,8 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        # 1,200 of arith's 1,800 training prompts, passed ~1.5 times a run as No-Positive-
-        # Resampling retires the solved ones: 800 ran down to 8 active by step ~147 and one run
-        # fell 0.14 on them; at 1,200, 189-391 stay active and six seeds met every bar
-        # (docs/history-presets.md)
+        # 1,200 of arith's 1,800 prompts: 800 ran dry (8 active from step 147, one run fell 0.951
+        # -> 0.806); 1,200 kept 189-391, six seeds met every bar (58bc348, docs/history-presets.md)
         train_size=1200,
         save_every=0,  # a 15-minute run: the last step's and a stop's checkpoints suffice
         # padded micro-batches (SDPA on CPU: no varlen packing), each cut to its own longest row:
