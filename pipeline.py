@@ -378,6 +378,7 @@ class Pipeline:
         self._producer = None  # its future, in the trainer's thread
         self._loading = None  # the weight load in progress
         self._thread = None  # the engine's SamplerThread
+        self._lent = False  # the producer stopped for good, the engine lent out (`lend`)
         self.sampler = None
         self.loop = None
         self._owns_dirs = weight_dirs is None
@@ -421,6 +422,8 @@ class Pipeline:
         closed or if the engine died, TimeoutError after `timeout` s saying what the producer is
         doing, filters.AllRetired once the pool has no prompt left to draw and the groups already
         drawn cannot fill a batch (not a failure: the run is over). Its metrics: batch_metrics."""
+        if self._lent:
+            raise RuntimeError("the pipeline lent its engine out (lend): it serves no more batches")
         t0 = time.perf_counter()
         dropped = 0
 
@@ -621,6 +624,20 @@ class Pipeline:
             self._round_started = 0  # a new PPO-off-policy-k round (PipelineRL never reads it)
             self._state.cv.notify_all()
 
+    def lend(self, timeout: float = CLOSE_TIMEOUT) -> tuple:
+        """Stop the producer for good (its groups in flight aborted, a weight load in progress
+        finished first) and return the idle engine, (sampler, loop), for other work in that loop:
+        the run's queued evals once the step loop has ended (infra/generator.py Engines.lend).
+        get_batch raises RuntimeError from then on; close still shuts the engine down. Raises
+        TimeoutError if the producer has not stopped within `timeout` s, RuntimeError once
+        closed."""
+        with self._state.cv:
+            if self._state.closed:
+                raise RuntimeError("the pipeline is closed")
+            self._lent = True
+        self._thread.run(self._stop(finish_load=True), timeout)
+        return self.sampler, self.loop
+
     def close(self) -> None:
         """Stop the producer, abort in-flight requests (a weight load finishes first), shut an
         owned sampler down, join its thread, end the engine's processes and idle reward workers,
@@ -798,16 +815,16 @@ class Pipeline:
             self._weights_loaded(version)
             self._wake.set()
 
-    async def _stop(self) -> None:
-        """close()'s part in the engine's loop: cancel the producer and its groups."""
+    async def _stop(self, finish_load: bool = False) -> None:
+        """close()'s and lend()'s part in the engine's loop: cancel the producer and its groups."""
         self._task.cancel()
-        # A borrowed engine must not be left paused, so its weight load finishes first; an owned
-        # one is shut down next, and its load may hang on an engine that died (a terminal's
-        # Ctrl-C): not awaited.
-        owned = self._thread.owned
-        if owned and self._loading:
+        # An engine that goes on serving (borrowed, or lent: finish_load) must not be left paused,
+        # so its weight load finishes first; an owned one is shut down next, and its load may hang
+        # on an engine that died (a terminal's Ctrl-C): not awaited.
+        finish_load = finish_load or not self._thread.owned
+        if self._loading and not finish_load:
             self._loading.cancel()
         load = []
-        if self._loading and not owned:
+        if self._loading and finish_load:
             load = [self._loading]
         await asyncio.gather(self._task, *load, return_exceptions=True)

@@ -670,6 +670,10 @@ def main(args: Args) -> None:
             # checkpoint; a stop (Ctrl-C on any rank) ends the run after its checkpoint
             log.end_step(step, m, time.perf_counter() - t0, inputs.n_active, tag, pool.num_active)
             stop_now = launch.stop_agreed(stop)
+            # no batch left to sample: on CPU the idle training engine joins the eval engine on
+            # the queued evals, which the last checkpoint awaits
+            if step == args.steps and not stop_now:
+                engines.lend()
             # a checkpoint every save_every steps, at the last step, and before a stop
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stop_now:
                 log.save(step, policy, optimizer, pool, stopping=stop_now)
@@ -686,6 +690,7 @@ def main(args: Args) -> None:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
             log.submit_last_eval(step, final)
+            engines.lend()  # (a run whose prompts all retired: lent here)
         done = ended and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if retired:

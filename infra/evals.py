@@ -7,7 +7,8 @@ engine deletes them once loaded), sampled and scored on the eval engine while tr
 a thread and event loop of their own (`infra.engine.SamplerThread`; the training engine's weights
 change under its requests); the result comes back tagged with that version. At most
 `max_evals_pending` evals wait or run at once (each holds a snapshot), one at a time on the
-engine, first in first out; an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running
+engine, first in first out (once the step loop ends the idle training engine may serve them too:
+`borrow`); an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running
 slots of rollouts in flight, and fails after gen_timeout s without a finished request (a rollout
 phase). infra/generator.py starts it beside the pipeline, infra/records.py
 (RunLog) submits evals and logs their results, train.py closes it. Exercised by `pytest
@@ -76,6 +77,8 @@ class EvalJob:
     owned: bool  # a snapshot: deleted once loaded
     tag: dict
     submitted: float = field(default_factory=time.perf_counter)
+    taken: bool = False  # an engine runs it (or ran it)
+    result: EvalResult | None = None  # once finished; `results` returns it in submission order
 
 
 def eval_metrics(records: list[dict], greedy: list[dict] = ()) -> dict[str, float]:
@@ -186,8 +189,10 @@ class EvalEngine:
         self._jobs: collections.deque[EvalJob] = collections.deque()  # waiting or running
         self._done: collections.deque[EvalResult] = collections.deque()
         self._ready = threading.Event()  # set once the engine started (or failed to)
-        self._loaded = None  # (weights directory, version label) the engine holds
+        self._loaded = {}  # id(sampler) -> (weights directory, version label) it holds
         self._wake = asyncio.Event()  # bound to the engine's loop at first wait
+        # engines lent for the queue (borrow): (SamplerThread, its wake event, its worker)
+        self._lent: list[tuple[engine.SamplerThread, asyncio.Event, object]] = []
         self._down = None  # close()'s answer: True once nothing of the engine runs
         # eval grading apart: an eval's thousands of completions never hold up a training group's
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="eval-reward")
@@ -241,7 +246,24 @@ class EvalEngine:
         job = EvalJob(prompts, n, temperature, greedy, version, weights, owned, tag or {})
         with self._state.cv:
             self._jobs.append(job)
+            lent = list(self._lent)
         self._thread.wake(self._wake)
+        for thread, wake, _ in lent:
+            thread.wake(wake)
+
+    def borrow(self, sampler, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the waiting evals on a second engine too: `sampler`, running in `loop` (another
+        thread's; left running, never closed here), as the training engine once the step loop has
+        ended (infra/generator.py Engines.lend). Whichever engine is idle takes the next waiting
+        eval, loads its weights and samples it as the eval engine would; `results` still returns
+        the evals in the order they were submitted. Raises RuntimeError once closed."""
+        thread = engine.SamplerThread("eval-lent", sampler, loop)
+        wake = asyncio.Event()  # bound to `loop` at its first wait
+        with self._state.cv:
+            if self._state.closed:
+                raise RuntimeError("the eval engine is closed")
+            self._lent.append((thread, wake, thread.submit(self._serve(sampler, wake))))
+        thread.wake(wake)
 
     def wait_started(self, timeout: float | None = None) -> bool:
         """Wait until the engine has started (the constructor starts an owned one in the
@@ -256,7 +278,8 @@ class EvalEngine:
         return True
 
     def pending(self) -> list[int]:
-        """The versions of the evals submitted and not finished (running first, then waiting)."""
+        """The versions of the evals submitted and not yet in `results` (running, waiting, or
+        finished behind one still running), in submission order."""
         with self._state.cv:
             return [job.version for job in self._jobs]
 
@@ -295,6 +318,8 @@ class EvalEngine:
         deadline = time.monotonic() + pipeline.CLOSE_TIMEOUT
         left = lambda: max(0.0, deadline - time.monotonic())
         self._worker.cancel()  # vLLM aborts the eval's requests
+        for _, _, worker in self._lent:
+            worker.cancel()  # on a lent engine too, which its owner shuts down
         # running reward calls hold workers that math_reward.close() would leave alive
         waiter = threading.Thread(
             target=self._executor.shutdown, kwargs={"cancel_futures": True}, daemon=True
@@ -306,58 +331,60 @@ class EvalEngine:
         return self._down
 
     def _dead(self) -> str | None:
-        """Why the engine can no longer serve, or None (fakes in tests have no engine)."""
-        if isinstance(self.sampler, generate.Sampler):
-            return self.sampler.engine.dead()
+        """Why the engine, or one lent to it, can no longer serve, or None (fakes in tests have no
+        engine)."""
+        for sampler in [self.sampler, *(thread.sampler for thread, _, _ in self._lent)]:
+            if isinstance(sampler, generate.Sampler) and (why := sampler.engine.dead()):
+                return why
         return None
 
     async def _work(self, model, start) -> None:
-        """The engine thread's work: wait for an owned engine's `start`, then run the queued evals
-        one at a time, first in first out. Its errors reach the trainer's next wait."""
+        """The engine thread's work: wait for an owned engine's `start`, then serve the queue."""
         if start is not None:
             try:
                 # shielded: close() cancels this, and the start must end by itself (SamplerThread)
                 self.sampler = await asyncio.shield(asyncio.wrap_future(start))
-                self._loaded = (model, self.sampler.version)
+                self._loaded[id(self.sampler)] = (model, self.sampler.version)
             except Exception as exc:
                 return self._state.fail(exc, "starting the eval engine")
             finally:
                 self._ready.set()  # after fail: wait_started finds a start's error
                 with self._state.cv:
                     self._state.cv.notify_all()  # wakes wait_started
+        await self._serve(self.sampler, self._wake)
+
+    async def _serve(self, sampler, wake: asyncio.Event) -> None:
+        """One engine's worker (`sampler`, in this loop): whenever woken, run the waiting evals,
+        first in first out, until none waits. Its errors reach the trainer's next wait."""
+        job = None
         try:
             while True:
-                await self._wake.wait()
-                self._wake.clear()
-                await self._run_queued()
+                await wake.wait()
+                wake.clear()
+                while (job := self._take()) is not None:
+                    result = await self._run_eval(job, sampler)
+                    with self._state.cv:
+                        job.result = result
+                        # finished in submission order: those behind a running one wait for it
+                        while self._jobs and self._jobs[0].result is not None:
+                            self._done.append(self._jobs.popleft().result)
+                        self._state.cv.notify_all()
         except Exception as exc:  # a load, sampling, a reward function
-            with self._state.cv:
-                job = None
-                if self._jobs:
-                    job = self._jobs[0]
-            version = "?"
-            if job is not None:
-                version = job.version
+            version = "?" if job is None else job.version
             self._state.fail(exc, f"evaluating version {version}")
 
-    async def _run_queued(self) -> None:
-        """Run the queued evals, first in first out, until the queue is empty."""
-        while True:
-            with self._state.cv:
-                if not self._jobs:
-                    return
-                job = self._jobs[0]
-            result = await self._run_eval(job)
-            with self._state.cv:
-                self._jobs.popleft()
-                self._done.append(result)
-                self._state.cv.notify_all()
+    def _take(self) -> EvalJob | None:
+        """The first eval no engine has taken, now taken; None when none waits."""
+        with self._state.cv:
+            job = next((job for job in self._jobs if not job.taken), None)
+            if job is not None:
+                job.taken = True
+            return job
 
-    async def _run_eval(self, job: EvalJob) -> EvalResult:
-        """Load the job's weights into the idle eval engine (unless it holds them), sample, check
-        that every sampled token came from those weights, score -> EvalResult."""
-        sampler = self.sampler
-        await self._load_weights(job)
+    async def _run_eval(self, job: EvalJob, sampler) -> EvalResult:
+        """Load the job's weights into `sampler`, an idle engine (unless it holds them), sample,
+        check that every sampled token came from those weights, score -> EvalResult."""
+        await self._load_weights(job, sampler)
         loaded = sampler.version
         t0 = time.perf_counter()
         # eval_s on the loop's clock, as the eval's timeouts (bench/scale.py's is simulated)
@@ -366,7 +393,7 @@ class EvalEngine:
         requests = [(p, job.n, job.temperature) for p in job.prompts]
         if job.greedy:  # one greedy sample per prompt, after the sampled ones
             requests += [(p, 1, 0.0) for p in job.prompts]
-        groups = await self._sample(requests, f"the eval of version {job.version}")
+        groups = await self._sample(requests, f"the eval of version {job.version}", sampler)
         seen = {int(v) for g in groups for c in g for v in c.versions[c.mask].unique().tolist()}
         if seen - {loaded}:
             raise RuntimeError(
@@ -387,12 +414,11 @@ class EvalEngine:
         eval_s = clock() - started
         return EvalResult(job.version, job.tag, metrics, records, queued_s, eval_s)
 
-    async def _load_weights(self, job: EvalJob) -> None:
-        """Load the job's weights into the engine, labelled with the job's version, unless it
-        holds them already; a snapshot is deleted once read (or failed)."""
-        sampler = self.sampler
+    async def _load_weights(self, job: EvalJob, sampler) -> None:
+        """Load the job's weights into `sampler`'s engine, labelled with the job's version, unless
+        it holds them already; a snapshot is deleted once read (or failed)."""
         try:
-            if self._loaded == (job.weights, sampler.version):
+            if self._loaded.get(id(sampler)) == (job.weights, sampler.version):
                 return
             try:
                 async with asyncio.timeout(self.gen_timeout):
@@ -402,20 +428,20 @@ class EvalEngine:
                     f"the eval engine did not load the weights of version {job.version} "
                     f"within gen_timeout={self.gen_timeout} s"
                 ) from exc
-            self._loaded = (job.weights, sampler.version)
+            self._loaded[id(sampler)] = (job.weights, sampler.version)
         finally:
             if job.owned:  # read to the end (or failed): the snapshot goes
                 self.weight_dirs.remove(job.weights)
 
-    async def _sample(self, requests: list, what: str) -> list:
-        """The groups of `requests`, (prompt, n, temperature) each, sampled in order with at most
+    async def _sample(self, requests: list, what: str, sampler) -> list:
+        """The groups of `requests`, (prompt, n, temperature) each, sampled on `sampler` in order
+        with at most
         EVAL_SLOTS_FACTOR x the engine's slots (generate.Sampler.slots) rollouts in flight: a group
         starts once its n rollouts fit, or when none runs (a stand-in sampler without an engine, in
         tests: no bound). TimeoutError, the requests cancelled (vLLM aborts them), once neither a
         request (a rollout phase, generate.Sampler.finished_requests) nor a group has finished for
         gen_timeout s, the horizon on which a training group calls the engine hung; seen within
         gen_timeout / PROGRESS_CHECKS s."""
-        sampler = self.sampler
         limit = math.inf
         if isinstance(sampler, generate.Sampler):
             limit = EVAL_SLOTS_FACTOR * sampler.slots

@@ -261,6 +261,19 @@ class Engines:
     eval_engine: evals.EvalEngine | None = None
     weight_dirs: WeightDirs | None = None
     dog: subprocess.Popen | None = None
+    lent: bool = False  # the training engine serves the evals (lend)
+
+    def lend(self) -> None:
+        """Rank 0 once the step loop has ended, on CPU: the training engine, idle from then on,
+        serves the queued evals beside the eval engine (Pipeline.lend, EvalEngine.borrow). There
+        the evals queue behind training all run (max_evals_pending) and the run's end waits for
+        them, the eval engine on one core while the training engine's core idles; two engines
+        clear the queue in about half the time. Not on GPU, where at most EVALS_PENDING evals
+        queue, nor on the other ranks (no engines): a no-op there, as is a second call."""
+        if self.pipe is None or self.eval_engine is None or torch.cuda.is_available() or self.lent:
+            return
+        self.lent = True
+        self.eval_engine.borrow(*self.pipe.lend())
 
     def close(self) -> None:
         """Close both engines side by side (each shutdown may take seconds; each returns within

@@ -1180,6 +1180,74 @@ def test_evals_beyond_the_bound_are_refused_and_results_come_in_order(loop, tmp_
             eval_engine.results()  # read after every step: a failed eval fails the run
 
 
+class CountingSampler(GatedSampler):
+    """A GatedSampler that counts its generate calls (one per group)."""
+
+    def __init__(self, loop):
+        super().__init__(loop)
+        self.calls = 0
+
+    async def generate(self, prompt_ids, n=1, *, thinking=True, temperature=None):
+        self.calls += 1
+        return await super().generate(prompt_ids, n, thinking=thinking, temperature=temperature)
+
+
+def test_a_lent_training_engine_serves_the_queue_and_results_keep_their_order(loop):
+    """The run's end on CPU (Engines.lend): the pipeline stops its producer and lends its engine
+    to the eval engine, whose queue it then serves beside it. The eval engine holds the first eval
+    (4) behind a closed gate; the lent engine takes the two behind it (8, 12), loading their
+    snapshots, one generate call per prompt (2 prompts each: 4 calls, and not one for the stopped
+    producer); their results wait for 4's, so `results` keeps the submission order; the pipeline
+    serves no batch once lent."""
+    train_sampler, eval_sampler = CountingSampler(loop), GatedSampler(loop)
+    train_sampler.open()
+    with (
+        pipeline.Pipeline(
+            train_sampler,
+            make_prompts(),
+            filters.PromptPool(8),
+            loop=loop,
+            group_size=G,
+            prompts_per_step=P,
+            reward_fn=ParityReward(),
+        ) as pipe,
+        evals.EvalEngine(
+            eval_sampler,
+            loop=loop,
+            reward_fn=ParityReward(),
+            weight_dirs=pipe.weight_dirs,
+            max_evals_pending=3,
+        ) as eval_engine,
+    ):
+        pipe.get_batch(0, timeout=30)  # the producer runs
+        tags = [{"step": v} for v in (4, 8, 12)]
+        for tag in tags:
+            path = version_dir(pipe, tag["step"])
+            eval_engine.submit(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
+            shutil.rmtree(path)  # as a publish would: the snapshot stays
+        sampler, lent_loop = pipe.lend()
+        assert sampler is train_sampler and lent_loop is loop
+        calls = train_sampler.calls  # the producer has stopped: from here the evals' only
+        eval_engine.borrow(sampler, lent_loop)
+        deadline = time.monotonic() + 10
+        while train_sampler.calls - calls < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a producer still running would start a group meanwhile
+        assert train_sampler.calls - calls == 4
+        assert [os.path.basename(p).split("_")[1] for p in train_sampler.loaded] == ["v8", "v12"]
+        assert eval_engine.results() == []  # 8 and 12 are done, but 4 runs still
+        assert eval_engine.pending() == [4, 8, 12]
+        eval_sampler.open()
+        assert eval_engine.wait(0, timeout=10)
+        results = eval_engine.results()
+        assert [r.version for r in results] == [4, 8, 12]
+        assert all(r.tag is t for r, t in zip(results, tags, strict=True))
+        assert [os.path.basename(p).split("_")[1] for p in eval_sampler.loaded] == ["v4"]
+        assert (eval_sampler.version, train_sampler.version) == (4, 12)  # the last loaded
+        with pytest.raises(RuntimeError, match="lent its engine"):
+            pipe.get_batch(1, timeout=1)
+
+
 def test_eval_engine_that_cannot_start_fails_the_next_wait(tmp_path):
     with evals.EvalEngine(str(tmp_path / "no-such-model")) as eval_engine:
         with pytest.raises(FileNotFoundError, match="does not exist"):
