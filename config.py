@@ -85,6 +85,9 @@ class Args:
     a pool a run passes several times is where No-Positive-Resampling (§3.2) acts"""
     eval_n: int = 4
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
+    eval_greedy_every: int = 1
+    """one greedy sample per held-out prompt (eval/greedy_pass_rate, logged, never fitted) in every
+    this many evals, and always at step 0 and the last step; 0: only those two"""
     fit_from: float | None = 0.0
     """the sigmoid fits (live and fit.json) use the evals at gpu_hours >= this (paper A.5: 1,500,
     its first epoch, skipping the early transient); None: from 1/5 of the run's compute on (the
@@ -282,6 +285,9 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
+        # the greedy sample in 8 of the 27 evals (steps 0, 24, ..., 144, 156): in all of them it
+        # was 15% of the eval's rollouts, ~7% of the run's sampled tokens (75e63a3)
+        eval_greedy_every=4,
         # 1,200 of arith's 1,800 prompts: 800 ran dry (8 active from step 147, one run fell 0.951
         # -> 0.806); 1,200 kept 189-391, six seeds met every bar (58bc348, docs/history-presets.md)
         train_size=1200,
@@ -585,6 +591,8 @@ def validate(args: Args, world: int) -> None:
         raise BadInput(f"--train-size {args.train_size}: must be >= 0 (0: every training prompt)")
     if args.eval_n < 1:
         raise BadInput(f"--eval-n {args.eval_n}: must be >= 1")
+    if args.eval_greedy_every < 0:
+        raise BadInput(f"--eval-greedy-every {args.eval_greedy_every}: must be >= 0")
     fit_from = args.fit_from
     if fit_from is not None and not 0 <= fit_from < math.inf:
         raise BadInput(f"--fit-from {fit_from}: must be a number >= 0 (gpu_hours) or None")

@@ -19,7 +19,7 @@ cap, no KL, one update per batch, 156 steps. Its held-out curve is our eval proc
 held-out prompts x eval_n samples at the training temperature, pass rate = mean reward), run
 between its steps every eval_every steps with transformers' generate, its time in TRL's wall time.
 Ours evaluates with vLLM's eval engine beside training (infra/evals.py), with one greedy sample per
-prompt more. The GRPOConfig of each setting: trl_settings.
+prompt more in every 4th eval (--eval-greedy-every). The GRPOConfig of each setting: trl_settings.
 
 Printed for both: seconds per step (median), sampled tokens per second, the trainer's tokens per
 second on its batch, the eval's cost, the wall time to held-out pass rates 0.5, 0.7 and 0.8, the
@@ -71,7 +71,8 @@ DIFFERENCES = (
     "TRL: CISPO averaged over the batch's tokens (ours per prompt); batch advantage std of the raw "
     "rewards + 1e-4 (ours of the group-centred rewards)",
     "generation: TRL transformers' generate, synchronous, on-policy; ours vLLM CPU engine beside "
-    "the trainer (PipelineRL k = 2), evals in a second vLLM engine with a greedy sample more",
+    "the trainer (PipelineRL k = 2), evals in a second vLLM engine, 8 of 27 with a greedy sample "
+    "more",
     "micro-batches: TRL all P x G sequences in one forward; ours at most 8,192 padded tokens each",
     "IS ratio: TRL's is exactly 1 (on-policy, old log-probs = its own, detached), so the CISPO cap "
     "never binds; ours is against the sampler's log-probs, up to 2 versions behind",

@@ -168,13 +168,16 @@ def clock_fields(c: dict) -> dict:
 
 def eval_line(at: int, steps: int, m: dict, r, step: int) -> str:
     """The console line of the eval of step `at` (result r, metrics m), logged at loop step `step`:
-    the pass rate (each task's beside it in a run of several), greedy, the live fit."""
+    the pass rate (each task's beside it in a run of several), greedy (where sampled), the live
+    fit."""
     fitted = f" | fit A {m['fit/A']:.3f} -> {m['fit/pred_final']:.3f}" if "fit/A" in m else ""
+    greedy = m.get("eval/greedy_pass_rate")
+    greedy = "" if greedy is None else f" | greedy {greedy:.3f}"
     per_task = [(t[1], v) for k, v in m.items() if (t := re.fullmatch(r"eval/(.+)/pass_rate", k))]
     tasks = f" ({', '.join(f'{t} {v:.3f}' for t, v in per_task)})" if per_task else ""
     return (
-        f"eval {at:5d}/{steps} | pass {m['eval/pass_rate']:.3f}{tasks} | greedy "
-        f"{m['eval/greedy_pass_rate']:.3f}{fitted} | version {r.version} | {r.eval_s:.1f} s "
+        f"eval {at:5d}/{steps} | pass {m['eval/pass_rate']:.3f}{tasks}{greedy}{fitted} | "
+        f"version {r.version} | {r.eval_s:.1f} s "
         f"after {r.queued_s:.1f} s queued, logged at step {step}"
     )
 
@@ -284,18 +287,23 @@ class RunLog:
         )
         self.log_evals(step)
 
-    def submit_eval(self, weights: str | None, tag: dict) -> None:
+    def submit_eval(self, weights: str | None, tag: dict, last: bool = False) -> None:
         """Rank 0: queue the eval of the weights in `weights` (trainer version tag["step"]) on the
         eval engine (evals.EvalEngine); tag["clock"], the compute clock of that version, may be
         filled in later (before log_evals runs). The paper's metric: eval_n samples per held-out
-        prompt at the training temperature; one greedy sample beside it, logged, never fitted."""
+        prompt at the training temperature; one greedy sample beside it, logged, never fitted, at
+        R0, the run's last step (or `last`: a run that ended early) and every
+        --eval-greedy-every-th eval."""
+        step = tag["step"]
+        every = self.args.eval_greedy_every * self.args.eval_every
+        greedy = last or step in (0, self.args.steps) or (every > 0 and step % every == 0)
         try:
             self.eval_engine.submit(
                 self.eval_prompts,
                 self.args.eval_n,
-                version=tag["step"],
+                version=step,
                 weights=weights,
-                greedy=True,
+                greedy=greedy,
                 tag=tag,
             )
         except pipeline.Stopped:  # Ctrl-C meanwhile: abandoned with the others (save)
@@ -331,7 +339,7 @@ class RunLog:
         if not self.master or self.is_eval_step(step):
             return
         if step not in {h["step"] for h in self.history}:
-            self.submit_eval(path, {"step": step, "clock": dict(self.clock)})
+            self.submit_eval(path, {"step": step, "clock": dict(self.clock)}, last=True)
 
     def log_evals(self, step: int) -> None:
         """Rank 0: every eval finished since the last call gets its metrics.jsonl line against the

@@ -222,6 +222,7 @@ def test_group_size_need_not_divide_over_the_trainer_ranks(argv, world):
 RULES = [
     (["--eval-size", "0"], "--eval-size 0: must be >= 1"),
     (["--eval-n", "0"], "--eval-n 0: must be >= 1"),
+    (["--eval-greedy-every", "-1"], "--eval-greedy-every -1: must be >= 0"),
     (["--fit-from", "-1"], "--fit-from -1.0: must be a number >= 0 (gpu_hours) or None"),
     (["--fit-from", "inf"], "--fit-from inf: must be a number >= 0 (gpu_hours) or None"),
     (["--save-every", "-1"], "--save-every -1: must be >= 0 (0: only at the end)"),
@@ -1148,7 +1149,7 @@ def test_collate_pads_groups_into_the_trainers_tensors():
 @pytest.mark.vllm
 def test_smoke_run_writes_everything(tiny_model, tmp_path):
     run_dir = str(tmp_path / "run")
-    out = run_train(["--steps", "3", "--run-dir", run_dir, *SMALL])
+    out = run_train(["--steps", "3", "--run-dir", run_dir, *SMALL, "--eval-greedy-every", "2"])
     steps, evals = split_lines(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3]
     # R0, every 2 steps, the last step; each eval once, tagged with the version it measured and
@@ -1158,7 +1159,10 @@ def test_smoke_run_writes_everything(tiny_model, tmp_path):
     for m in evals:
         assert m["eval/version"] == m["step"] and m["gpu_hours"] == clock_at[m["step"]]
         assert m["eval/logged_at_step"] >= m["step"] and m["time/eval_s"] > 0
-        assert 0 <= m["eval/pass_rate"] <= 1 and 0 <= m["eval/greedy_pass_rate"] <= 1
+        assert 0 <= m["eval/pass_rate"] <= 1
+    # the greedy sample at R0 and the last step; step 2 is eval 1, not a multiple of 2 evals
+    greedy = {m["step"]: m["eval/greedy_pass_rate"] for m in evals if "eval/greedy_pass_rate" in m}
+    assert sorted(greedy) == [0, 3] and all(0 <= g <= 1 for g in greedy.values())
     hours = [m["gpu_hours"] for m in steps]
     assert hours[0] > 0 and all(b > a for a, b in zip(hours, hours[1:], strict=False))
     for m in steps:
@@ -1529,6 +1533,7 @@ def test_tiny_moe_run_trains_and_its_weights_reach_vllm(tmp_path, replay):
     correct; with the filter that step would train nothing and log no ratio."""
     run_dir = str(tmp_path / "run")
     flags = ["--model", "tiny-moe", "--steps", "3", "--no-zero-var-filter", *SMALL, *replay]
+    flags += ["--eval-greedy-every", "1"]  # the greedy sample in every eval
     out = run_train([*flags, "--run-dir", run_dir])
     assert f"tiny-moe-{tiny.build_key(0, moe=True)}: 1.32M params" in out.stdout
     steps, evals = split_lines(run_dir)
