@@ -87,7 +87,7 @@ class Args:
     """samples per held-out prompt (paper: 16); the pass rate is their mean"""
     eval_greedy_every: int = 1
     """one greedy sample per held-out prompt (eval/greedy_pass_rate, logged, never fitted) in every
-    this many evals, and always at step 0 and the last step; 0: only those two"""
+    this many evals, and always at step 0 and step --steps; 0: only those two"""
     fit_from: float | None = 0.0
     """the sigmoid fits (live and fit.json) use the evals at gpu_hours >= this (paper A.5: 1,500,
     its first epoch, skipping the early transient); None: from 1/5 of the run's compute on (the
@@ -285,8 +285,9 @@ PRESETS = {
         eval_every=6,  # 27 evals, 14 in the first half of the compute
         eval_size=200,
         eval_n=4,  # the noise a 15-minute run affords
-        # the greedy sample in 8 of the 27 evals (steps 0, 24, ..., 144, 156): in all of them it
-        # was 15% of the eval's rollouts, ~7% of the run's sampled tokens (75e63a3)
+        # the greedy sample in 8 of the 27 evals (steps 0, 24, ..., 144, 156): in every eval it was
+        # 200 of its 1,000 rollouts, ~9% of a run's sampled tokens if as long as the sampled ones
+        # (75e63a3: evals 1.4M sampled tokens + the greedy, training 2.0M; docs/history-presets.md)
         eval_greedy_every=4,
         # 1,200 of arith's 1,800 prompts: 800 ran dry (8 active from step 147, one run fell 0.951
         # -> 0.806); 1,200 kept 189-391, six seeds met every bar (58bc348, docs/history-presets.md)

@@ -629,11 +629,13 @@ class Pipeline:
         finished first) and return the idle engine, (sampler, loop), for other work in that loop:
         the run's queued evals once the step loop has ended (infra/generator.py Engines.lend).
         get_batch raises RuntimeError from then on; close still shuts the engine down. Raises
-        TimeoutError if the producer has not stopped within `timeout` s, RuntimeError once
-        closed."""
+        TimeoutError if the producer has not stopped within `timeout` s, RuntimeError once closed
+        or if the engine died."""
         with self._state.cv:
             if self._state.closed:
                 raise RuntimeError("the pipeline is closed")
+            if dead := self._dead():
+                raise RuntimeError(dead)
             self._lent = True
         self._thread.run(self._stop(finish_load=True), timeout)
         return self.sampler, self.loop

@@ -690,7 +690,8 @@ def main(args: Args) -> None:
             final = os.path.join(run_dir, "final") if master else None
             checkpoint.export_pretrained(policy, inputs.tokenizer, final, None)  # as trained
             log.submit_last_eval(step, final)
-            engines.lend()  # (a run whose prompts all retired: lent here)
+            if not stopped:  # (a run whose prompts all retired: lent here)
+                engines.lend()
         done = ended and not stopped
         done = done and log.await_evals(step, lambda pending: not pending, "the last evals")
         if retired:

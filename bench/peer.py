@@ -71,8 +71,8 @@ DIFFERENCES = (
     "TRL: CISPO averaged over the batch's tokens (ours per prompt); batch advantage std of the raw "
     "rewards + 1e-4 (ours of the group-centred rewards)",
     "generation: TRL transformers' generate, synchronous, on-policy; ours vLLM CPU engine beside "
-    "the trainer (PipelineRL k = 2), evals in a second vLLM engine, 8 of 27 with a greedy sample "
-    "more",
+    "the trainer (PipelineRL k = 2), evals in a second vLLM engine (--eval-greedy-every: a greedy "
+    "sample more at R0, the last step, every 4th eval)",
     "micro-batches: TRL all P x G sequences in one forward; ours at most 8,192 padded tokens each",
     "IS ratio: TRL's is exactly 1 (on-policy, old log-probs = its own, detached), so the CISPO cap "
     "never binds; ours is against the sampler's log-probs, up to 2 versions behind",

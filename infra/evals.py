@@ -8,8 +8,8 @@ a thread and event loop of their own (`infra.engine.SamplerThread`; the training
 change under its requests); the result comes back tagged with that version. At most
 `max_evals_pending` evals wait or run at once (each holds a snapshot), one at a time on the
 engine, first in first out (once the step loop ends the idle training engine may serve them too:
-`borrow`); an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running
-slots of rollouts in flight, and fails after gen_timeout s without a finished request (a rollout
+`borrow`); an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running slots of rollouts in
+flight, and fails after gen_timeout s without a finished request (a rollout
 phase). infra/generator.py starts it beside the pipeline, infra/records.py
 (RunLog) submits evals and logs their results, train.py closes it. Exercised by `pytest
 tests/test_pipeline.py` and `python train.py --steps 2 --eval-every 2`:
@@ -34,7 +34,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import generate
@@ -192,7 +192,7 @@ class EvalEngine:
         self._loaded = {}  # id(sampler) -> (weights directory, version label) it holds
         self._wake = asyncio.Event()  # bound to the engine's loop at first wait
         # engines lent for the queue (borrow): (SamplerThread, its wake event, its worker)
-        self._lent: list[tuple[engine.SamplerThread, asyncio.Event, object]] = []
+        self._lent: list[tuple[engine.SamplerThread, asyncio.Event, Future]] = []
         self._down = None  # close()'s answer: True once nothing of the engine runs
         # eval grading apart: an eval's thousands of completions never hold up a training group's
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="eval-reward")
@@ -256,13 +256,19 @@ class EvalEngine:
         thread's; left running, never closed here), as the training engine once the step loop has
         ended (infra/generator.py Engines.lend). Whichever engine is idle takes the next waiting
         eval, loads its weights and samples it as the eval engine would; `results` still returns
-        the evals in the order they were submitted. Raises RuntimeError once closed."""
+        the evals in the order they were submitted. An eval that fails there goes back to the
+        queue, and the lent engine serves no more (a warning says why): only the eval engine's own
+        errors fail the run. Raises ValueError for an engine that serves the queue already,
+        RuntimeError once closed."""
         thread = engine.SamplerThread("eval-lent", sampler, loop)
         wake = asyncio.Event()  # bound to `loop` at its first wait
         with self._state.cv:
             if self._state.closed:
                 raise RuntimeError("the eval engine is closed")
-            self._lent.append((thread, wake, thread.submit(self._serve(sampler, wake))))
+            if sampler is self.sampler or any(t.sampler is sampler for t, _, _ in self._lent):
+                raise ValueError("this engine serves the eval queue already")
+            worker = thread.submit(self._serve(sampler, wake, lent=True))
+            self._lent.append((thread, wake, worker))
         thread.wake(wake)
 
     def wait_started(self, timeout: float | None = None) -> bool:
@@ -331,11 +337,9 @@ class EvalEngine:
         return self._down
 
     def _dead(self) -> str | None:
-        """Why the engine, or one lent to it, can no longer serve, or None (fakes in tests have no
-        engine)."""
-        for sampler in [self.sampler, *(thread.sampler for thread, _, _ in self._lent)]:
-            if isinstance(sampler, generate.Sampler) and (why := sampler.engine.dead()):
-                return why
+        """Why the engine can no longer serve, or None (fakes in tests have no engine)."""
+        if isinstance(self.sampler, generate.Sampler):
+            return self.sampler.engine.dead()
         return None
 
     async def _work(self, model, start) -> None:
@@ -353,16 +357,20 @@ class EvalEngine:
                     self._state.cv.notify_all()  # wakes wait_started
         await self._serve(self.sampler, self._wake)
 
-    async def _serve(self, sampler, wake: asyncio.Event) -> None:
+    async def _serve(self, sampler, wake: asyncio.Event, lent: bool = False) -> None:
         """One engine's worker (`sampler`, in this loop): whenever woken, run the waiting evals,
-        first in first out, until none waits. Its errors reach the trainer's next wait."""
+        first in first out, until none waits. The eval engine's errors reach the trainer's next
+        wait; a `lent` engine's hand its eval back (_give_back)."""
         job = None
         try:
             while True:
                 await wake.wait()
                 wake.clear()
                 while (job := self._take()) is not None:
-                    result = await self._run_eval(job, sampler)
+                    # a lent engine keeps the snapshot until its eval is done: it may go back
+                    result = await self._run_eval(job, sampler, keep=lent)
+                    if lent and job.owned:
+                        self.weight_dirs.remove(job.weights)
                     with self._state.cv:
                         job.result = result
                         # finished in submission order: those behind a running one wait for it
@@ -370,8 +378,25 @@ class EvalEngine:
                             self._done.append(self._jobs.popleft().result)
                         self._state.cv.notify_all()
         except Exception as exc:  # a load, sampling, a reward function
+            if lent:
+                return self._give_back(job, sampler, exc)
             version = "?" if job is None else job.version
             self._state.fail(exc, f"evaluating version {version}")
+
+    def _give_back(self, job: EvalJob | None, sampler, exc: Exception) -> None:
+        """A lent engine failed `job`: the job goes back to the queue for the eval engine, and the
+        engine serves no more; said in one line."""
+        with self._state.cv:
+            self._lent = [entry for entry in self._lent if entry[0].sampler is not sampler]
+            if job is not None:
+                job.taken = False
+        version = "?" if job is None else job.version
+        print(
+            f"warning: the lent training engine failed the eval of version {version} "
+            f"({type(exc).__name__}: {exc}); the eval engine runs it and the rest",
+            flush=True,
+        )
+        self._thread.wake(self._wake)
 
     def _take(self) -> EvalJob | None:
         """The first eval no engine has taken, now taken; None when none waits."""
@@ -381,10 +406,11 @@ class EvalEngine:
                 job.taken = True
             return job
 
-    async def _run_eval(self, job: EvalJob, sampler) -> EvalResult:
-        """Load the job's weights into `sampler`, an idle engine (unless it holds them), sample,
-        check that every sampled token came from those weights, score -> EvalResult."""
-        await self._load_weights(job, sampler)
+    async def _run_eval(self, job: EvalJob, sampler, keep: bool = False) -> EvalResult:
+        """Load the job's weights into `sampler`, an idle engine (unless it holds them; `keep`: a
+        snapshot stays once read), sample, check that every sampled token came from those weights,
+        score -> EvalResult."""
+        await self._load_weights(job, sampler, keep)
         loaded = sampler.version
         t0 = time.perf_counter()
         # eval_s on the loop's clock, as the eval's timeouts (bench/scale.py's is simulated)
@@ -414,9 +440,9 @@ class EvalEngine:
         eval_s = clock() - started
         return EvalResult(job.version, job.tag, metrics, records, queued_s, eval_s)
 
-    async def _load_weights(self, job: EvalJob, sampler) -> None:
+    async def _load_weights(self, job: EvalJob, sampler, keep: bool = False) -> None:
         """Load the job's weights into `sampler`'s engine, labelled with the job's version, unless
-        it holds them already; a snapshot is deleted once read (or failed)."""
+        it holds them already; a snapshot is deleted once read (or failed), unless `keep`."""
         try:
             if self._loaded.get(id(sampler)) == (job.weights, sampler.version):
                 return
@@ -425,23 +451,22 @@ class EvalEngine:
                     await sampler.update_weights(job.weights, job.version)
             except TimeoutError as exc:
                 raise TimeoutError(
-                    f"the eval engine did not load the weights of version {job.version} "
+                    f"the engine did not load the weights of version {job.version} for its eval "
                     f"within gen_timeout={self.gen_timeout} s"
                 ) from exc
             self._loaded[id(sampler)] = (job.weights, sampler.version)
         finally:
-            if job.owned:  # read to the end (or failed): the snapshot goes
+            if job.owned and not keep:  # read to the end (or failed): the snapshot goes
                 self.weight_dirs.remove(job.weights)
 
     async def _sample(self, requests: list, what: str, sampler) -> list:
         """The groups of `requests`, (prompt, n, temperature) each, sampled on `sampler` in order
-        with at most
-        EVAL_SLOTS_FACTOR x the engine's slots (generate.Sampler.slots) rollouts in flight: a group
-        starts once its n rollouts fit, or when none runs (a stand-in sampler without an engine, in
-        tests: no bound). TimeoutError, the requests cancelled (vLLM aborts them), once neither a
-        request (a rollout phase, generate.Sampler.finished_requests) nor a group has finished for
-        gen_timeout s, the horizon on which a training group calls the engine hung; seen within
-        gen_timeout / PROGRESS_CHECKS s."""
+        with at most EVAL_SLOTS_FACTOR x the engine's slots (generate.Sampler.slots) rollouts in
+        flight: a group starts once its n rollouts fit, or when none runs (a stand-in sampler
+        without an engine, in tests: no bound). TimeoutError, the requests cancelled (vLLM aborts
+        them), once neither a request (a rollout phase, generate.Sampler.finished_requests) nor a
+        group has finished for gen_timeout s, the horizon on which a training group calls the
+        engine hung; seen within gen_timeout / PROGRESS_CHECKS s."""
         limit = math.inf
         if isinstance(sampler, generate.Sampler):
             limit = EVAL_SLOTS_FACTOR * sampler.slots

@@ -269,11 +269,15 @@ class Engines:
         the evals queue behind training all run (max_evals_pending) and the run's end waits for
         them, the eval engine on one core while the training engine's core idles; two engines
         clear the queue in about half the time. Not on GPU, where at most EVALS_PENDING evals
-        queue, nor on the other ranks (no engines): a no-op there, as is a second call."""
+        queue, nor on the other ranks (no engines): a no-op there, as is a second call. A lend
+        that fails (a dead or hung training engine) only says so: the eval engine serves alone."""
         if self.pipe is None or self.eval_engine is None or torch.cuda.is_available() or self.lent:
             return
         self.lent = True
-        self.eval_engine.borrow(*self.pipe.lend())
+        try:
+            self.eval_engine.borrow(*self.pipe.lend())
+        except Exception as e:  # a time saving only: the run goes on without it
+            print(f"warning: the training engine serves no eval ({type(e).__name__}: {e})")
 
     def close(self) -> None:
         """Close both engines side by side (each shutdown may take seconds; each returns within

@@ -29,7 +29,9 @@ the version it measured, loaded from its snapshot (the shared-engine design fail
 tokens mix versions); evals beyond max_evals_pending are refused, results come back in order with
 their tags, a failing eval or an eval engine that cannot start fails the eval engine's next wait and
 its results (read after every step), so does a hung one after gen_timeout without progress (a slow
-one finishes); a real eval on the session engine samples only from the snapshot's weights and its
+one finishes); at a run's end the lent training engine serves the queue beside the eval engine
+(the producer stopped first), results still in submission order, an eval it fails going back to
+the eval engine; a real eval on the session engine samples only from the snapshot's weights and its
 metrics are the records' means (eval_metrics by hand too); group_timeout scales with the budgets. In
 (5) a running eval is aborted by close() too.
 """
@@ -1192,47 +1194,61 @@ class CountingSampler(GatedSampler):
         return await super().generate(prompt_ids, n, thinking=thinking, temperature=temperature)
 
 
+def lend_setup(loop, train_sampler, eval_sampler):
+    """A pipeline sampling on `train_sampler` (its producer always busy: k = 10^6) and an eval
+    engine on `eval_sampler` with the evals of versions 4, 8 and 12 queued (snapshots), tagged."""
+    pipe = pipeline.Pipeline(
+        train_sampler,
+        make_prompts(),
+        filters.PromptPool(8),
+        loop=loop,
+        group_size=G,
+        prompts_per_step=P,
+        max_lag=10**6,
+        reward_fn=ParityReward(),
+    )
+    eval_engine = evals.EvalEngine(
+        eval_sampler,
+        loop=loop,
+        reward_fn=ParityReward(),
+        weight_dirs=pipe.weight_dirs,
+        max_evals_pending=3,
+    )
+    tags = [{"step": v} for v in (4, 8, 12)]
+    for tag in tags:
+        path = version_dir(pipe, tag["step"])
+        eval_engine.submit(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
+        shutil.rmtree(path)  # as a publish would: the snapshot stays
+    return pipe, eval_engine, tags
+
+
+def wait_until(done, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return done()
+
+
 def test_a_lent_training_engine_serves_the_queue_and_results_keep_their_order(loop):
-    """The run's end on CPU (Engines.lend): the pipeline stops its producer and lends its engine
-    to the eval engine, whose queue it then serves beside it. The eval engine holds the first eval
-    (4) behind a closed gate; the lent engine takes the two behind it (8, 12), loading their
-    snapshots, one generate call per prompt (2 prompts each: 4 calls, and not one for the stopped
-    producer); their results wait for 4's, so `results` keeps the submission order; the pipeline
-    serves no batch once lent."""
+    """The run's end on CPU (Engines.lend): the pipeline stops its producer (busy until then) and
+    lends its engine to the eval engine, whose queue it then serves beside it. The eval engine
+    holds the first eval (4) behind a closed gate; the lent engine takes the two behind it (8,
+    12), loading their snapshots, one generate call per prompt (2 prompts each: 4 calls, and not
+    one for the stopped producer); their results wait for 4's, so `results` keeps the submission
+    order; the pipeline serves no batch once lent, and an engine cannot serve the queue twice."""
     train_sampler, eval_sampler = CountingSampler(loop), GatedSampler(loop)
     train_sampler.open()
-    with (
-        pipeline.Pipeline(
-            train_sampler,
-            make_prompts(),
-            filters.PromptPool(8),
-            loop=loop,
-            group_size=G,
-            prompts_per_step=P,
-            reward_fn=ParityReward(),
-        ) as pipe,
-        evals.EvalEngine(
-            eval_sampler,
-            loop=loop,
-            reward_fn=ParityReward(),
-            weight_dirs=pipe.weight_dirs,
-            max_evals_pending=3,
-        ) as eval_engine,
-    ):
-        pipe.get_batch(0, timeout=30)  # the producer runs
-        tags = [{"step": v} for v in (4, 8, 12)]
-        for tag in tags:
-            path = version_dir(pipe, tag["step"])
-            eval_engine.submit(make_prompts(2), 2, version=tag["step"], weights=path, tag=tag)
-            shutil.rmtree(path)  # as a publish would: the snapshot stays
+    pipe, eval_engine, tags = lend_setup(loop, train_sampler, eval_sampler)
+    with pipe, eval_engine:
+        assert wait_until(lambda: train_sampler.calls > 4)  # the producer runs
         sampler, lent_loop = pipe.lend()
-        assert sampler is train_sampler and lent_loop is loop
+        assert sampler is train_sampler and lent_loop is loop and pipe._producer.done()
         calls = train_sampler.calls  # the producer has stopped: from here the evals' only
         eval_engine.borrow(sampler, lent_loop)
-        deadline = time.monotonic() + 10
-        while train_sampler.calls - calls < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a producer still running would start a group meanwhile
+        with pytest.raises(ValueError, match="serves the eval queue already"):
+            eval_engine.borrow(sampler, lent_loop)
+        finished = lambda: [j.version for j in list(eval_engine._jobs) if j.result is not None]
+        assert wait_until(lambda: finished() == [8, 12])
         assert train_sampler.calls - calls == 4
         assert [os.path.basename(p).split("_")[1] for p in train_sampler.loaded] == ["v8", "v12"]
         assert eval_engine.results() == []  # 8 and 12 are done, but 4 runs still
@@ -1244,8 +1260,28 @@ def test_a_lent_training_engine_serves_the_queue_and_results_keep_their_order(lo
         assert all(r.tag is t for r, t in zip(results, tags, strict=True))
         assert [os.path.basename(p).split("_")[1] for p in eval_sampler.loaded] == ["v4"]
         assert (eval_sampler.version, train_sampler.version) == (4, 12)  # the last loaded
+        assert not any(os.path.exists(p) for p in train_sampler.loaded + eval_sampler.loaded)
         with pytest.raises(RuntimeError, match="lent its engine"):
             pipe.get_batch(1, timeout=1)
+
+
+def test_an_eval_the_lent_engine_fails_goes_back_to_the_eval_engine(loop, capsys):
+    """The lent engine fails its first eval (8): one warning line, it serves no more, and the
+    eval engine runs 8 and 12 from their snapshots (kept for it) after 4; the run does not fail."""
+    train_sampler, eval_sampler = CountingSampler(loop), GatedSampler(loop)
+    train_sampler.open()
+    pipe, eval_engine, tags = lend_setup(loop, train_sampler, eval_sampler)
+    with pipe, eval_engine:
+        train_sampler.fail = True
+        eval_engine.borrow(*pipe.lend())
+        assert wait_until(lambda: not eval_engine._lent)
+        assert "the lent training engine failed the eval of version 8" in capsys.readouterr().out
+        eval_sampler.open()
+        assert eval_engine.wait(0, timeout=10)
+        assert [r.version for r in eval_engine.results()] == [4, 8, 12]
+        loaded = [os.path.basename(p).split("_")[1] for p in eval_sampler.loaded]
+        assert loaded == ["v4", "v8", "v12"]
+        assert not any(os.path.exists(p) for p in eval_sampler.loaded)  # snapshots deleted
 
 
 def test_eval_engine_that_cannot_start_fails_the_next_wait(tmp_path):

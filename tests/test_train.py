@@ -918,7 +918,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
 
 class HeldEvals:
     """An eval engine whose evals of `versions` run for `hold` s from its creation (the step-0
-    eval of 1,000 prompts x 16 on GPUs: hours); records what is submitted."""
+    eval of 1,000 prompts x 16 on GPUs: hours); records what is submitted (and `greedy`)."""
 
     max_evals_pending = 2
 
@@ -939,6 +939,7 @@ class HeldEvals:
 
     def submit(self, prompts, n, *, version, weights, greedy, tag):
         self.submitted.append((version, weights, tag["clock"]["gpu_hours"]))
+        self.greedy = {**getattr(self, "greedy", {}), version: greedy}
 
 
 def run_log(tmp_path, engine, state, **flags):
@@ -967,6 +968,21 @@ def test_a_checkpoint_waits_for_no_eval_and_names_the_pending_ones(tmp_path, one
     t = time.monotonic()
     log.save(20, None, None, pool)
     assert time.monotonic() - t >= 2 and saved[1][4]["pending_evals"] == []
+
+
+def test_the_greedy_sample_every_nth_eval_and_at_both_ends(tmp_path, one_rank):
+    """--eval-greedy-every 2 with an eval every 4 of 20 steps: the greedy sample every 8 steps
+    (0, 8, 16), at the last step (20) and on a run's early end (`last`, step 13), not at 4 and
+    12; with 0, at step 0 and 20 only."""
+    clock = {"gpu_hours": 0.0, "gen_tokens": 0, "train_tokens": 0, "flops": 0.0}
+    for every, want in ((2, [0, 8, 16, 20, 13]), (0, [0, 20, 13])):
+        engine = HeldEvals([], hold=0)
+        log = run_log(tmp_path, engine, {"step": 0, "clock": clock, "history": []})
+        log.args.eval_greedy_every = every
+        for step in (0, 4, 8, 12, 16, 20):
+            log.submit_eval("w", {"step": step, "clock": clock})
+        log.submit_eval("w", {"step": 13, "clock": clock}, last=True)
+        assert [v for v, g in engine.greedy.items() if g] == want
 
 
 R0 = {"step": 0, "gpu_hours": 0.0, "eval/pass_rate": 0.25, "eval/version": 0}
