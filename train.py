@@ -1,7 +1,7 @@
 """ScaleRL end to end: the RL loop of arXiv 2510.13786 (§4) and its policy update, composed from
 the pure modules.
 
-    python train.py                                       # tiny model on CPU, 12-16 min, no hub
+    python train.py                                       # tiny model, CPU, 12-16 min, no download
     torchrun --nproc_per_node 2 train.py --steps 20       # the same, FSDP2 over 2 CPU ranks (gloo)
     torchrun --nproc_per_node 4 train.py --model qwen3-8b # 8 GPUs: 4 train, 3 sample, 1 eval
     python train.py --recipe loo-dapo                     # one of the paper's compared recipes
