@@ -277,7 +277,8 @@ class Engines:
         try:
             self.eval_engine.borrow(*self.pipe.lend())
         except Exception as e:  # a time saving only: the run goes on without it
-            print(f"warning: the training engine serves no eval ({type(e).__name__}: {e})")
+            why = f"{type(e).__name__}: {e}"
+            print(f"warning: the training engine serves no eval ({why})", flush=True)
 
     def close(self) -> None:
         """Close both engines side by side (each shutdown may take seconds; each returns within
