@@ -9,9 +9,9 @@ change under its requests); the result comes back tagged with that version. At m
 `max_evals_pending` evals wait or run at once (each holds a snapshot), one at a time on the
 engine, first in first out (once the step loop ends the idle training engine may serve them too:
 `borrow`); an eval keeps at most `EVAL_SLOTS_FACTOR` x the engine's running slots of rollouts in
-flight, and fails after gen_timeout s without a finished request (a rollout
-phase). infra/generator.py starts it beside the pipeline, infra/records.py
-(RunLog) submits evals and logs their results, train.py closes it. Exercised by `pytest
+flight, and fails after gen_timeout s without a finished request (a rollout phase).
+infra/generator.py starts it beside the pipeline, infra/records.py (RunLog) submits evals and logs
+their results, train.py closes it. Exercised by `pytest
 tests/test_pipeline.py` and `python train.py --steps 2 --eval-every 2`:
 
     eval_engine = EvalEngine(model_dir, weight_dirs=pipe.weight_dirs)  # starts in the background

@@ -926,6 +926,7 @@ class HeldEvals:
         self.versions = versions
         self.until = time.monotonic() + hold
         self.submitted = []
+        self.greedy = {}  # version -> whether its eval takes the greedy sample
 
     def pending(self):
         return list(self.versions) if time.monotonic() < self.until else []
@@ -939,7 +940,7 @@ class HeldEvals:
 
     def submit(self, prompts, n, *, version, weights, greedy, tag):
         self.submitted.append((version, weights, tag["clock"]["gpu_hours"]))
-        self.greedy = {**getattr(self, "greedy", {}), version: greedy}
+        self.greedy[version] = greedy
 
 
 def run_log(tmp_path, engine, state, **flags):
