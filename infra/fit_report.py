@@ -252,7 +252,7 @@ def _fit_words(f: dict, whole: bool) -> str:
     intervals, B and C_mid); or why there is none."""
     if "error" in f:
         return f"no fit: {f['error']}"
-    status = "A identified" if f["converged"] else f"NOT converged: {f['message']}"
+    status = "A identified" if f["converged"] else f["message"]  # why A is not to be trusted
     if not whole:
         return f"A {f['A']:.3f} ({status})"
     ci = "profile [{:.3f}, {:.3f}]".format(*f["A_interval"])
