@@ -87,7 +87,7 @@ def describe(name: str, C, R, R0, n_boot: int) -> tuple[list[str], fit.SigmoidFi
         f"[{bs.B[0]:.2f}, {bs.B[1]:.2f}]",
         num(f.C_mid),
         f"[{num(bs.C_mid[0])}, {num(bs.C_mid[1])}]"
-        + ("" if f.converged else f"  NOT CONVERGED: {f.message}"),
+        + ("" if f.converged else f"  fit not trusted: {f.message}"),
     ], f
 
 

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
             f"[{'ok' if r['ok']['rise'] else 'MISS'}] | whole-run A {r['A']:.3f} B {r['B']:.2f} "
             f"profile [{r['A_profile'][0]:.3f}, {r['A_profile'][1]:.3f}] bootstrap "
             f"[{r['A_boot'][0]:.3f}, {r['A_boot'][1]:.3f}] "
-            f"{'converged' if r['converged'] else 'NOT converged: ' + r['message']} "
+            f"{'converged' if r['converged'] else 'fit not trusted: ' + r['message']} "
             f"[{'ok' if r['ok']['A'] else 'MISS'}] | half-run A {r['A_half']:.3f} "
             f"(|dA| {r['dA']:.3f}) tail MAE {r['tail_mae']:.3f} on {r['n_tail']} evals "
             f"[{'ok' if r['ok']['half'] else 'MISS'}] | fall best -> last {r['fall']:.3f} "

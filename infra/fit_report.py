@@ -216,7 +216,7 @@ def _fit_run(path: str, name: str, args: Args):
             f"{name}: {bs.n_failed}/{args.n_boot} bootstrap refits failed or not converged"
         )
     if not fit.converged:
-        notes.append(f"{name}: NOT CONVERGED: {fit.message}")
+        notes.append(f"{name}: fit not trusted: {fit.message}")
     return (name, C, R, fit), (C[head], R[head], R0), row, notes
 
 
@@ -252,7 +252,7 @@ def _fit_words(f: dict, whole: bool) -> str:
     intervals, B and C_mid); or why there is none."""
     if "error" in f:
         return f"no fit: {f['error']}"
-    status = "A identified" if f["converged"] else f["message"]  # why A is not to be trusted
+    status = "A identified" if f["converged"] else f"fit not trusted: {f['message']}"
     if not whole:
         return f"A {f['A']:.3f} ({status})"
     ci = "profile [{:.3f}, {:.3f}]".format(*f["A_interval"])
@@ -281,8 +281,9 @@ def summary(run_dir: str, out: dict) -> str:
     fit.json holds every number). Per curve (the run's, then each task's, indented): the pass rate
     from R0 (the step-0 eval) to the last eval; the whole-run fit; the §5 check, the first half's
     fit (compute, gpu_hours, up to fit_until) and its mean absolute error on the later evals. When
-    --fit-from left evals out, a second line names the evals fitted (out["evals"]). A fit not
-    converged says why ("A not identified: ..."); one that raised, its error. Never raises."""
+    --fit-from left evals out, a second line names the evals fitted (out["evals"]). A fit not to
+    be trusted says why ("fit not trusted: A not identified: ..."); one that raised, its error.
+    Never raises."""
     if "R0" not in out:  # no step-0 eval
         return f"run {run_dir}: {out['error']}"
     lines = []

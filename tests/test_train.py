@@ -885,7 +885,7 @@ def test_summary_says_A_not_identified_and_a_fit_error(tmp_path):
     out = records.final_fit(str(tmp_path), history_of(C, R, 0.2))
     assert not out["whole_run"]["converged"] and out["whole_run"]["A_bootstrap"] is None
     whole_line = fit_report.summary(str(tmp_path), out).splitlines()[1]
-    assert "gpu-hours (A not identified: fixed-A refits" in whole_line
+    assert "gpu-hours (fit not trusted: A not identified: fixed-A refits" in whole_line
     assert "bootstrap" not in whole_line  # no interval around a non-answer
     # two evals: neither fit can run; the summary says why instead of raising
     few = tmp_path / "few"
