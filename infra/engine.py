@@ -4,7 +4,8 @@ in, and where new weights land.
 Part of the ScaleRL generator (arXiv 2510.13786): PipelineRL in-flight weight updates (§3.1, A.11)
 and the FP32 LM head (§3.2, A.19). "Engine" means one thing here and everywhere: `Engine`, one vLLM
 engine, its client (`AsyncLLM`, vLLM's engine client) built from `engine_args` and the processes it
-started (`start_engine`: EngineCore, Workers). A `generate.Sampler` has one. `SamplerThread` is the
+started (`start_engine`: EngineCore, and Workers where vLLM runs them apart; on CPU the worker is
+in EngineCore, `UniProcCPUExecutor`). A `generate.Sampler` has one. `SamplerThread` is the
 one place a sampler's thread and asyncio loop are started and shut down (the pipeline's training
 engine, the eval engine, the tests' shared engine). vLLM adds `WorkerExtension`'s methods to each
 of its workers, where weight updates load. Each reach into vLLM's internals is one named function
@@ -25,7 +26,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import gc
 import logging
 import multiprocessing
 import os
@@ -46,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from config import BadInput
 from infra.loading import check_cpu_memory
@@ -58,12 +58,8 @@ SHUTDOWN_TIMEOUT = 20.0
 NCCL_CHECKED_ON = "0.32"
 # vLLM minor version whose MoE routers and V1 model runner `capture_routes` reads
 ROUTES_CHECKED_ON = "0.32"
-# vLLM minor version whose shared-memory queue readers (shm_broadcast.SpinCondition)
-# `quiet_queue_waits` changes
-SPIN_CHECKED_ON = "0.32"
-# how long a quiet queue reader sleeps before it looks at the shared memory again without a
-# notification (vLLM's SHM_READER_RECHECK_INTERVAL_MS, 5,000: see quiet_queue_waits)
-QUEUE_RECHECK_MS = 2
+# vLLM minor version whose CPU executor and OpenMP binding `UniProcCPUExecutor` follows
+UNIPROC_CHECKED_ON = "0.32"
 # renice's passes at most (2-3 were needed against threads starting threads every 2 ms)
 RENICE_PASSES = 100
 # SyncClient's waits check for an abort (a dead engine, Pipeline.publish_by) this often
@@ -157,7 +153,8 @@ def engine_args(
         kv_cache_gib = CPU_KV_CACHE_GIB
     kv_cache_bytes = None if kv_cache_gib is None else int(kv_cache_gib * 2**30)
     head = {"head_dtype": "float32"} if fp32_head else {}  # §3.2, A.19; vLLM 0.32 refuses None
-    quiet = not cuda and checked_on(SPIN_CHECKED_ON)  # QuietExecutor: CPU, a checked vLLM
+    # UniProcCPUExecutor: CPU, one worker, a checked vLLM
+    one_process = not cuda and tensor_parallel_size == 1 and checked_on(UNIPROC_CHECKED_ON)
     return AsyncEngineArgs(
         model=model,
         seed=seed,
@@ -183,8 +180,8 @@ def engine_args(
         # on a GPU vLLM's stats (KV cache use, preemptions) are what tunes max_num_seqs
         disable_log_stats=not cuda,
         enable_return_routed_experts=routed_experts and cuda,
-        # CPU: vLLM's multiprocess executor (the one it uses there) without its busy waits
-        distributed_executor_backend=QuietExecutor if quiet else None,
+        # CPU: the worker in the engine-core process; otherwise vLLM's own choice
+        distributed_executor_backend=UniProcCPUExecutor if one_process else None,
         **(nodes.vllm_kwargs() if nodes else {}),
     )
 
@@ -247,9 +244,10 @@ def start_engine(
     """Start vLLM's `AsyncLLM` from `args`, with the variables `env` in os.environ while its
     processes spawn (they inherit them; ours are put back after). nice: if not 0, `renice` every
     thread of the new processes. Returns (the engine's client, its processes: our children, theirs:
-    vLLM's workers), for `Engine`. Raises ValueError for a bad nice before anything starts;
-    BadInput (code 1), one line naming the flag that sizes vLLM's memory, when the engine fails to
-    start (vLLM's engine-core process prints the cause above: most often too little free memory)."""
+    vLLM's worker processes, none on CPU), for `Engine`. Raises ValueError for a bad nice before
+    anything starts; BadInput (code 1), one line naming the flag that sizes vLLM's memory, when the
+    engine fails to start (vLLM's engine-core process prints the cause above: most often too
+    little free memory)."""
     if nice:
         renice([], nice)  # checks nice only: it cannot raise once the engine runs
     with _SPAWN_LOCK:
@@ -614,50 +612,40 @@ def capture_routes(model_runner, store: dict) -> tuple[int, int]:
 
 def checked_on(minor: str, version: str = vllm.__version__) -> bool:
     """Whether vLLM `version` (e.g. "0.32.1") is of the minor version `minor` (e.g. "0.32") that
-    code reading vLLM's internals was checked on (NCCL_, ROUTES_ and SPIN_CHECKED_ON)."""
+    code reading vLLM's internals was checked on (NCCL_, ROUTES_ and UNIPROC_CHECKED_ON)."""
     return version.split(".")[:2] == minor.split(".")
 
 
-def quiet_queue_waits() -> int:
-    """Make this process's readers of vLLM's shared-memory queues wait on their socket instead of
-    spinning; returns how many it changed. vLLM 0.32's readers (shm_broadcast.SpinCondition) call
-    sched_yield in a loop for 1 s after each read, so an engine's core spins while its worker
-    computes a step and the worker spins while the core schedules the next: two processes always
-    runnable for one process's work, on cores the trainer and the eval engine need (measured in
-    docs/history-presets.md, issue 28). Waiting on the socket costs a wake-up per step instead.
-    The socket's notifications can be lost (the writer's PUB socket, high-water mark 1, drops
-    what it cannot queue; in one run they stopped coming altogether): a reader then finds the
-    message at its next recheck of the shared memory, every 5 s in vLLM, which spinning readers
-    never reach; that run's eval engine took a step per ~5 s. So quiet readers recheck every
-    QUEUE_RECHECK_MS (this process's module constant: ~1% of a core per idle reader). vLLM
-    internals, checked on SPIN_CHECKED_ON (another version is left as it is: 0 returned; and
-    `engine_args` then keeps vLLM's own executor) and pinned by tests/test_generate.py; for CPU
-    engines only (`QuietExecutor`)."""
-    if not checked_on(SPIN_CHECKED_ON):
-        return 0
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = QUEUE_RECHECK_MS  # read at every wait
-    # type(), not isinstance: isinstance raises on a dead weak proxy among the objects
-    spinning = [
-        o
-        for o in gc.get_objects()
-        if type(o) is shm_broadcast.SpinCondition and o.is_reader and o.busy_loop_s
-    ]
-    for reader in spinning:
-        reader.busy_loop_s = 0
-    return len(spinning)
+def bind_threads(cpus: set[int]) -> None:
+    """Run this process on `cpus` only, with as many torch (OpenMP) threads: every thread's CPU
+    affinity (threads started later inherit their starter's), then torch's thread count."""
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # the thread ended
+            os.sched_setaffinity(tid, cpus)
+    torch.set_num_threads(len(cpus))
 
 
-class QuietExecutor(MultiprocExecutor):
-    """vLLM's multiprocess executor (engine argument distributed_executor_backend; the one vLLM
-    uses on CPU) whose engine core and workers wait for each other without spinning
-    (`quiet_queue_waits` in both)."""
+class UniProcCPUExecutor(UniProcExecutor):
+    """vLLM's one-process executor (engine argument distributed_executor_backend) for a CPU engine
+    of one worker: the worker runs in the engine-core process, bound to the CPUs vLLM's
+    multiprocess executor would give it. vLLM 0.32 refuses "uni" on CPU and starts each worker in
+    a process of its own, whose OpenMP binding it sets by environment variables before the process
+    starts; that second process costs ~13 s of start (~30 s against ~17 s), ~1 s of shutdown, and
+    ~12% more CPU time per sampled token (a queue between engine core and worker; measured in
+    docs/results.md, issue 28). The binding is set at run time instead: vLLM's own CPU list for
+    the worker (vllm.utils.ompmultiprocessing.OMPProcessManager, from VLLM_CPU_OMP_THREADS_BIND:
+    "auto", a list such as `generate.cpu_bind`'s, or "nobind": none) as the process's affinity and
+    torch's thread count (`bind_threads`), before the worker starts. vLLM internals, checked on
+    UNIPROC_CHECKED_ON (another version: `engine_args` leaves vLLM's executor); pinned by
+    tests/test_generate.py and tests/test_pipeline.py."""
 
     def _init_executor(self) -> None:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        cpu_lists = OMPProcessManager(self.vllm_config).cpu_lists  # one per worker: ours first
+        if cpu_lists:
+            bind_threads(set(cpu_lists[0]))
         super()._init_executor()
-        quiet_queue_waits()
-        self.collective_rpc("quiet_queue_waits")
 
 
 class _NothingToReload(logging.Filter):
@@ -695,10 +683,6 @@ class WorkerExtension:
         and the trainer stops it (Engine.shutdown). RPCs run in the worker's main thread, as
         signal.signal requires; pinned by tests/test_generate.py."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def quiet_queue_waits(self) -> int:
-        """`quiet_queue_waits` in this worker (`QuietExecutor` calls it at start)."""
-        return quiet_queue_waits()
 
     def capture_routes(self) -> tuple[int, int]:
         """Start recording each computed token's routed experts (`capture_routes`, once per

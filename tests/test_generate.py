@@ -14,10 +14,9 @@ the sampler thread's lifecycle (a sampler still starting at close is shut down o
 borrowed one is left alone) and the testable parts of the GPU (NCCL) path, the sync client's
 version labels among them; (6) the engine serves by priority and takes the phases' priorities
 (answer first) and engine rank as the Sampler passes them (issue 25; their effect on the queue:
-tests/test_evals_queue.py); (7) the engine's worker waits for the next step without spinning
-(engine.QuietExecutor), a quiet queue reader finds a message whose notification was lost within
-engine.QUEUE_RECHECK_MS, not vLLM's 5 s, and a sampler without log-probs (the eval engine's)
-asks vLLM for none.
+tests/test_evals_queue.py); (7) on CPU the engine's worker runs in its engine-core process
+(engine.UniProcCPUExecutor), which waits for the next request without spinning, and a sampler
+without log-probs (the eval engine's) asks vLLM for none.
 
 Crafted weights: attention and MLP outputs are zeroed, so the final hidden state is
 RMSNorm(embedding of the current token). Token classes get orthonormal embeddings Q[c] from M = Q
@@ -378,11 +377,14 @@ def test_engine_args_rl_settings():
     assert cpu.scheduling_policy == gpu.scheduling_policy == "priority"  # answers first (issue 25)
     # vLLM's stats (KV use, preemptions) on GPU, to tune max_num_seqs by; off on CPU
     assert cpu.disable_log_stats and not gpu.disable_log_stats
-    # CPU: vLLM's multiprocess executor without its busy waits; GPU: vLLM's own choice
-    assert cpu.distributed_executor_backend is engine.QuietExecutor
+    # CPU, one worker: the worker in the engine-core process; GPU, or several CPU workers (vLLM
+    # would bind each to CPUs of its own before it starts): vLLM's own choice
+    assert cpu.distributed_executor_backend is engine.UniProcCPUExecutor
+    cpu_tp = engine.engine_args("m", cuda=False, tensor_parallel_size=2)
+    assert cpu_tp.distributed_executor_backend is None
     # ... on the vLLM minor version its internals were read on only
-    assert engine.checked_on(engine.SPIN_CHECKED_ON, "0.32.1")
-    assert not engine.checked_on(engine.SPIN_CHECKED_ON, "0.33.0")
+    assert engine.checked_on(engine.UNIPROC_CHECKED_ON, "0.32.1")
+    assert not engine.checked_on(engine.UNIPROC_CHECKED_ON, "0.33.0")
     assert gpu.distributed_executor_backend is None
 
 
@@ -588,7 +590,10 @@ def test_interruptions_off_one_phase_over_the_whole_budget(vllm_engine, tmp_path
 
 @pytest.mark.vllm
 def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
-    workers = [p for p in vllm_engine.sampler.engine.workers if "Worker" in p.name()]
+    """On CPU vLLM's worker runs in the engine-core process (no worker process of its own), which
+    then ignores SIGINT: the trainer stops the engine (Engine.shutdown)."""
+    assert vllm_engine.sampler.engine.workers == []
+    workers = [psutil.Process(p.pid) for p in vllm_engine.sampler.engine.procs]
     assert workers
     # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
     for w in workers:
@@ -599,10 +604,10 @@ def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
 
 @pytest.mark.vllm
 def test_engine_processes_wait_without_spinning(vllm_engine):
-    """Between requests the worker waits for the engine core's next step on a socket: vLLM 0.32's
-    queue readers spin (sched_yield) for 1 s after each read, which would cost the worker ~0.8
-    CPU-s over the 0.8 s after a request, on cores the trainer needs (engine.quiet_queue_waits);
-    the engine core and the worker both hold only socket-waiting readers."""
+    """Between requests the engine's process waits for the next one: under 0.2 CPU-s over the 0.8
+    s after a request, on cores the trainer needs (vLLM 0.32's multiprocess executor, whose queue
+    readers spin for 1 s after each read, would spend ~0.8 in its worker and as much in its engine
+    core)."""
     s, run = vllm_engine.sampler, vllm_engine.run
     procs = [psutil.Process(p.pid) for p in s.engine.procs] + list(s.engine.workers)
     run(s.generate(PROMPT, n=2, think_budget=(8, 8), answer_budget=4))
@@ -610,38 +615,6 @@ def test_engine_processes_wait_without_spinning(vllm_engine):
     time.sleep(0.8)
     used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
     assert max(used) < 0.2, [(p.name(), u) for p, u in zip(procs, used, strict=True)]
-    # the CPU time above is the check of the internal (on another vLLM version this returns 0 too)
-    assert run(s.engine.client.collective_rpc("quiet_queue_waits")) == [0]  # none left spinning
-
-
-def test_a_quiet_queue_reader_finds_a_message_whose_notification_was_lost(monkeypatch):
-    """A lost notification costs a quiet reader QUEUE_RECHECK_MS, not vLLM's 5 s recheck: vLLM's
-    shared-memory queue (one writer, one reader, here in one process), its reader quieted
-    (engine.quiet_queue_waits) and waiting on its socket when the writer enqueues without notifying
-    it; the reader has the message within 0.5 s (5.0 s with vLLM's recheck: a run whose
-    notifications stopped took a step per ~5 s)."""
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    # restored after the test: quiet_queue_waits sets this process's recheck interval
-    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
-    writer = shm_broadcast.MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=2)  # 2 MiB
-    reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)
-    ready = threading.Thread(target=reader.wait_until_ready, daemon=True)
-    ready.start()
-    writer.wait_until_ready()
-    ready.join()
-    assert engine.quiet_queue_waits() == 1  # the reader's SpinCondition
-    writer.enqueue("notified")
-    assert reader.dequeue() == "notified"
-    monkeypatch.setattr(writer._spin_condition, "notify", lambda: None)  # every one lost
-    got = []
-    waiting = threading.Thread(target=lambda: got.append(reader.dequeue()), daemon=True)
-    waiting.start()
-    time.sleep(0.3)  # the reader is waiting on its socket by now
-    t0 = time.monotonic()
-    writer.enqueue("not notified")
-    waiting.join(10)
-    assert got == ["not notified"] and time.monotonic() - t0 < 0.5
 
 
 @pytest.mark.vllm

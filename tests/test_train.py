@@ -1373,8 +1373,8 @@ def wait_for(proc, path, pattern, timeout=600):
 
 
 def run_processes(pid):
-    """The run's processes besides the trainer: vLLM's EngineCore and Worker, reward workers, the
-    resource tracker, the watchdog."""
+    """The run's processes besides the trainer: vLLM's EngineCore (on CPU its worker runs inside),
+    reward workers, the resource tracker, the watchdog."""
     return psutil.Process(pid).children(recursive=True)
 
 
@@ -1416,7 +1416,7 @@ def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_pa
     try:
         wait_for(proc, out, r"^step +1/6 ")
         procs = run_processes(proc.pid)
-        assert {"VLLM::EngineCore", "VLLM::Worker"} <= {p.name() for p in procs}
+        assert "VLLM::EngineCore" in {p.name() for p in procs}
         t = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(60) == 0, err.read_text()[-3000:]
