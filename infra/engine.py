@@ -620,7 +620,7 @@ def bind_threads(cpus: set[int]) -> None:
     """Run this process on `cpus` only, with as many torch (OpenMP) threads: every thread's CPU
     affinity (threads started later inherit their starter's), then torch's thread count."""
     for tid in map(int, os.listdir("/proc/self/task")):
-        with contextlib.suppress(OSError):  # the thread ended
+        with contextlib.suppress(ProcessLookupError):  # the thread ended
             os.sched_setaffinity(tid, cpus)
     torch.set_num_threads(len(cpus))
 
@@ -630,19 +630,22 @@ class UniProcCPUExecutor(UniProcExecutor):
     of one worker: the worker runs in the engine-core process, bound to the CPUs vLLM's
     multiprocess executor would give it. vLLM 0.32 refuses "uni" on CPU and starts each worker in
     a process of its own, whose OpenMP binding it sets by environment variables before the process
-    starts; that second process costs ~13 s of start (~30 s against ~17 s), ~1 s of shutdown, and
-    ~12% more CPU time per sampled token (a queue between engine core and worker; measured in
-    docs/results.md, issue 28). The binding is set at run time instead: vLLM's own CPU list for
-    the worker (vllm.utils.ompmultiprocessing.OMPProcessManager, from VLLM_CPU_OMP_THREADS_BIND:
-    "auto", a list such as `generate.cpu_bind`'s, or "nobind": none) as the process's affinity and
-    torch's thread count (`bind_threads`), before the worker starts. vLLM internals, checked on
-    UNIPROC_CHECKED_ON (another version: `engine_args` leaves vLLM's executor); pinned by
-    tests/test_generate.py and tests/test_pipeline.py."""
+    starts; that second process costs start-up and shutdown time and CPU time per sampled token
+    (the engine core and its worker pass every step through a shared-memory queue; measured by
+    bench/sampler.py, docs/results.md "Run time", issue 28). The binding is set at run time
+    instead: vLLM's own CPU list for the worker (vllm.utils.ompmultiprocessing.OMPProcessManager,
+    from VLLM_CPU_OMP_THREADS_BIND: "auto", a list such as `generate.cpu_bind`'s, or "nobind":
+    none) as the process's affinity and torch's thread count (`bind_threads`), before the worker
+    starts. A mask, not vLLM's one CPU per OpenMP thread (nor its KMP_ settings with Intel's
+    OpenMP preloaded); the CPU "auto" reserves for vLLM's scheduler process is left to the others.
+    vLLM internals, checked on UNIPROC_CHECKED_ON (another version: `engine_args` leaves vLLM's
+    executor); pinned by tests/test_generate.py and tests/test_pipeline.py."""
 
     def _init_executor(self) -> None:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-        cpu_lists = OMPProcessManager(self.vllm_config).cpu_lists  # one per worker: ours first
+        # one list per worker, ours first; none off the CPU platform (it returns before making any)
+        cpu_lists = getattr(OMPProcessManager(self.vllm_config), "cpu_lists", [])
         if cpu_lists:
             bind_threads(set(cpu_lists[0]))
         super()._init_executor()

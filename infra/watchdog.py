@@ -35,8 +35,8 @@ import psutil
 
 POLL_S = 1.0  # seconds between looks at the trainer and its process tree
 GRACE_S = 2.0  # seconds between SIGTERM and SIGKILL, then the most it waits for the killed to go
-# (2, not more: a vLLM worker at nice 19, the CPU eval engine's, may not run its SIGTERM handler for
-# seconds on a loaded machine, and everything must be gone within 10 s of the trainer's death)
+# (2, not more: a vLLM process at nice 19, the CPU eval engine's, may not run its SIGTERM handler
+# for seconds on a loaded machine, and everything must be gone within 10 s of the trainer's death)
 
 
 def start(dirs: list[str]) -> subprocess.Popen:

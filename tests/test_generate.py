@@ -593,13 +593,38 @@ def test_workers_ignore_a_terminals_ctrl_c(vllm_engine):
     """On CPU vLLM's worker runs in the engine-core process (no worker process of its own), which
     then ignores SIGINT: the trainer stops the engine (Engine.shutdown)."""
     assert vllm_engine.sampler.engine.workers == []
-    workers = [psutil.Process(p.pid) for p in vllm_engine.sampler.engine.procs]
-    assert workers
+    cores = [psutil.Process(p.pid) for p in vllm_engine.sampler.engine.procs]
+    assert cores
     # proc(5): SigIgn is a hex mask with bit (signal number - 1) set per ignored signal
-    for w in workers:
-        with open(f"/proc/{w.pid}/status") as f:
+    for core in cores:
+        with open(f"/proc/{core.pid}/status") as f:
             ignored = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
-        assert ignored >> (signal.SIGINT - 1) & 1, f"{w.name()} does not ignore SIGINT"
+        assert ignored >> (signal.SIGINT - 1) & 1, f"{core.name()} does not ignore SIGINT"
+
+
+def test_bind_threads_binds_every_thread_and_sets_torch_threads():
+    """engine.bind_threads, as UniProcCPUExecutor calls it in a fresh engine-core process: in a
+    fresh interpreter with a thread already running, every thread ends on the one CPU given (the
+    last this process may use) and torch runs 1 thread; a thread started after inherits it."""
+    cpu = max(os.sched_getaffinity(0))
+    code = f"""
+import os, threading, time, torch
+from infra import engine
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+engine.bind_threads({{{cpu}}})
+after = threading.Thread(target=stop.wait); after.start()
+masks = {{tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}}
+print(sorted(masks), torch.get_num_threads(), len(os.listdir("/proc/self/task")) >= 3)
+stop.set()
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == f"[({cpu},)] 1 True"
 
 
 @pytest.mark.vllm

@@ -804,8 +804,9 @@ def check_eval_of_version_1(pipe, eval_engine):
     CPU priority, the training engine's at this process's; VLLM_CPU_OMP_THREADS_BIND reached the
     eval engine's worker, in its engine-core process (engine.UniProcCPUExecutor): every thread of
     that process runs on the last CPU only, and the training engine's on some of the others
-    (vLLM's "auto" reserves the last CPU; their /proc environ is overwritten by setproctitle, so
-    the variable is checked by its effect)."""
+    (vLLM's "auto" reserves the last CPU of a machine with a core per CPU, as here; on one SMT
+    core it reserves none, and this check would not hold; their /proc environ is overwritten by
+    setproctitle, so the variable is checked by its effect)."""
     assert eval_engine.wait(0, timeout=300)
     (result,) = eval_engine.results()
     assert result.version == 1 and [r["index"] for r in result.records] == [0, 0, 1, 1]

@@ -1400,12 +1400,13 @@ def gone_within(procs, seconds):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_path):
-    """What a terminal's Ctrl-C does: SIGINT to the whole process group (vLLM's processes stop on it
-    too). Once: exit 0 within 60 s, no traceback, a checkpoint of the last completed step (none
-    existed: --save-every 0), logs continuous up to it, no process left. The run directory held a
-    run stopped before its first checkpoint: it is reused, saying so. Then --resume continues from
-    the checkpoint, and Ctrl-C twice quits at once (130), no traceback, the watchdog ending the
-    engine's processes within 10 s."""
+    """What a terminal's Ctrl-C does: SIGINT to the whole process group (vLLM's engine core, its
+    worker inside on CPU, ignores it; the trainer stops it). Once: exit 0 within 60 s, no
+    traceback, a checkpoint of the last completed step (none existed: --save-every 0), logs
+    continuous up to it, no process left. The run directory held a run stopped before its first
+    checkpoint: it is reused, saying so. Then --resume continues from the checkpoint, and Ctrl-C
+    twice quits at once (130), no traceback, the watchdog ending the engine's processes within
+    10 s."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "args.json").write_text("{}")
@@ -1416,7 +1417,8 @@ def test_ctrl_c_saves_and_exits_0_second_ctrl_c_quits_at_once(tiny_model, tmp_pa
     try:
         wait_for(proc, out, r"^step +1/6 ")
         procs = run_processes(proc.pid)
-        assert "VLLM::EngineCore" in {p.name() for p in procs}
+        names = {p.name() for p in procs}
+        assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names
         t = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(60) == 0, err.read_text()[-3000:]
