@@ -70,10 +70,21 @@ def letters_model(path: str, **config) -> str:
     return path
 
 
+async def plain_request(client, prompt: list[int], n: int) -> int:
+    """One plain vLLM request of exactly `n` sampled tokens (EOS ignored, the sampled token's
+    log-prob asked for, as the Sampler asks; no text) on `client` (an AsyncLLM); returns n."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
+    request = TokensPrompt(prompt_token_ids=prompt)
+    async for out in client.generate(request, params, uuid.uuid4().hex):  # noqa: B007
+        pass
+    return len(out.outputs[0].token_ids)
+
+
 async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
     """Median tok/s over `reps` interleaved runs of the interrupted rollouts and of the plain
     baseline (`{"interrupted", "plain", "interrupted (sampled only)"}`), and the tokens of a run."""
-    from vllm import SamplingParams, TokensPrompt
 
     async def interrupted():
         groups = await asyncio.gather(
@@ -85,15 +96,8 @@ async def throughput(sampler, prompts, G, think_budget, answer_budget, reps):
         return [c for g in groups for c in g]
 
     async def plain(lengths):
-        async def one(prompt, n):
-            params = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-            async for out in sampler.engine.client.generate(  # noqa: B007
-                TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex
-            ):
-                pass
-            return len(out.outputs[0].token_ids)
-
-        return await asyncio.gather(*[one(p, n) for p, n in lengths])
+        client = sampler.engine.client
+        return await asyncio.gather(*[plain_request(client, p, n) for p, n in lengths])
 
     await interrupted()  # warm-up
     rates = {"interrupted": [], "plain": [], "interrupted (sampled only)": []}
@@ -227,7 +231,6 @@ async def bench_big_update(args, prompts, work):
 async def bench_executors(args, prompts, work):
     """Part 3: the CPU engine with our executor and with vLLM's, alternately (`args.reps` each)."""
     import psutil
-    from vllm import SamplingParams, TokensPrompt
 
     from infra import engine
 
@@ -238,19 +241,12 @@ async def bench_executors(args, prompts, work):
         max_len=2048,
     )
     n_tokens = args.think_hi + args.answer
-    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True, logprobs=0, detokenize=False)
-
-    async def one(client, prompt):
-        request = TokensPrompt(prompt_token_ids=prompt)
-        async for out in client.generate(request, params, uuid.uuid4().hex):  # noqa: B007
-            pass
-        return len(out.outputs[0].token_ids)
 
     async def sample(client, everyone):
         """(tok/s, CPU-s of `everyone` per 1k tokens) of prompts x group requests."""
         cpu = sum(sum(p.cpu_times()[:2]) for p in everyone)
         t = time.perf_counter()
-        requests = [one(client, p) for p in prompts for _ in range(args.group)]
+        requests = [plain_request(client, p, n_tokens) for p in prompts for _ in range(args.group)]
         tokens = sum(await asyncio.gather(*requests))
         dt = time.perf_counter() - t
         await asyncio.sleep(SPIN_S)  # what the engine spends after its last token counts too
@@ -270,7 +266,7 @@ async def bench_executors(args, prompts, work):
             start_s = time.perf_counter() - t
             everyone = [psutil.Process()] + [psutil.Process(p.pid) for p in procs] + workers
             try:
-                await one(client, prompts[0])  # warm-up
+                await plain_request(client, prompts[0], n_tokens)  # warm-up
                 rate, cpu = await sample(client, everyone)
             finally:
                 client.shutdown()

@@ -811,17 +811,15 @@ def check_eval_of_version_1(pipe, eval_engine):
     (result,) = eval_engine.results()
     assert result.version == 1 and [r["index"] for r in result.records] == [0, 0, 1, 1]
     mine = os.getpriority(os.PRIO_PROCESS, 0)
-    for sampler, nice in ((eval_engine.sampler, 19), (pipe.sampler, mine)):
-        procs = [psutil.Process(p.pid) for p in sampler.engine.procs] + sampler.engine.workers
-        tids = [t.id for p in procs for t in p.threads()]
-        assert tids and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {nice}
     last = {max(os.sched_getaffinity(0))}
     others = os.sched_getaffinity(0) - last
     assert generate.cpu_bind(1) == str(max(last))
-    for sampler, allowed in ((eval_engine.sampler, last), (pipe.sampler, others)):
+    for sampler, nice, allowed in ((eval_engine.sampler, 19, last), (pipe.sampler, mine, others)):
         assert sampler.engine.workers == []
         procs = [psutil.Process(p.pid) for p in sampler.engine.procs]
-        bound = {frozenset(os.sched_getaffinity(t.id)) for p in procs for t in p.threads()}
+        tids = [t.id for p in procs for t in p.threads()]
+        assert tids and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {nice}
+        bound = {frozenset(os.sched_getaffinity(t)) for t in tids}
         assert len(bound) == 1 and bound.pop() <= allowed, bound
 
 
